@@ -1,0 +1,296 @@
+"""Qwen3 dense decoder, read top to bottom.
+
+Parameter names equal Hugging Face Qwen3's (`model.layers.0.self_attn.q_proj.weight`,
+...), so a local HF checkpoint loads with no renaming and our checkpoints load into
+vLLM's built-in Qwen3 and transformers' Qwen3ForCausalLM.
+
+The model runs on ONE flat stream of tokens ([T, hidden]): the trainer flattens its
+[B, L] batch, vLLM hands its scheduled tokens as they are. Every row-mixing op
+(attention) is a callable passed in by the engine adapter; everything else is
+row-wise and goes through titan_rl.kernels, so both engines compute each token with
+the same arithmetic.
+
+`kernels = "exact"` uses the batch-invariant kernels; `"stock"` plain torch
+(F.linear, SDPA) for measuring what exactness costs and what it removes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_rl.kernels import attention_dense, linear, lm_head_logits, rms_norm
+
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+    def validate(self) -> "Qwen3Config":
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"model.head_dim = {self.head_dim} is not supported; allowed: {list(SUPPORTED_HEAD_DIMS)} "
+                "(the sizes vLLM's CPU attention backend accepts)"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        return self
+
+    def hf_config(self, architecture: str = "TitanQwen3ForCausalLM", dtype: str = "bfloat16") -> dict:
+        """config.json content that transformers parses as a Qwen3Config."""
+        return {
+            "architectures": [architecture],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+        }
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen3Config":
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+        ).validate()
+
+
+FLAVORS: dict[str, Qwen3Config] = {
+    # ~3.7M parameters: trains in seconds on CPU.
+    "debug": Qwen3Config(),
+    # ~48M parameters: benchmarks.
+    "small": Qwen3Config(
+        vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+    ),
+    # The real Qwen3 sizes (load their weights from a local HF folder).
+    "0.6B": Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "1.7B": Qwen3Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "8B": Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+}
+
+# (layer_index, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Ops:
+    """The row-wise ops for one kernel mode. Exact = titan_rl.kernels; stock = plain torch."""
+
+    def __init__(self, mode: str):
+        if mode not in ("exact", "stock"):
+            raise ValueError(f"kernels = {mode!r} is not allowed; use 'exact' or 'stock'")
+        self.mode = mode
+        self.linear = linear if mode == "exact" else F.linear
+        self.rms_norm = rms_norm
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (HF semantics: cos/sin in fp32, cast to x's dtype). Row-wise."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x):
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """nn.Linear's parameter layout (weight [out, in], no bias) over the kernel linear."""
+
+    def __init__(self, d_in: int, d_out: int, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.ops = ops
+
+    def forward(self, x):
+        return self.ops.linear(x, self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int, ops: Ops):
+        super().__init__()
+        h, hkv, d, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.layer_idx, self.h, self.hkv, self.d, self.theta = layer_idx, h, hkv, d, cfg.rope_theta
+        self.q_proj = Linear(e, h * d, ops)
+        self.k_proj = Linear(e, hkv * d, ops)
+        self.v_proj = Linear(e, hkv * d, ops)
+        self.o_proj = Linear(h * d, e, ops)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
+
+    def forward(self, x, positions, attn: AttentionFn):
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.h, self.d))
+        k = self.k_norm(self.k_proj(x).view(T, self.hkv, self.d))
+        v = self.v_proj(x).view(T, self.hkv, self.d)
+        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        o = attn(self.layer_idx, q, k, v)
+        return self.o_proj(o.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config, ops: Ops):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int, ops: Ops):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(self, x, positions, attn: AttentionFn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: Qwen3Config, ops: Ops):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: Qwen3Config, kernels: str = "exact"):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.ops = Ops(kernels)
+        self.model = Backbone(cfg, self.ops)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3ForCausalLM":
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    # -- the flat-stream forward both engines share -------------------------------------
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                      inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits. The engine passes a cached fp32 weight through `lm_head_fp32`."""
+        w = self.lm_head.weight.float()
+        if self.ops.mode == "exact":
+            return lm_head_logits(hidden, w)
+        return F.linear(hidden.float(), w)
+
+    # -- the trainer's batched forward -----------------------------------------------------
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, L] (each row starts at position 0) -> fp32 logits [B, L, V]."""
+        B, L = tokens.shape
+        positions = torch.arange(L, device=tokens.device).repeat(B)
+        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+
+        def attn(_layer, q, k, v):
+            shape = lambda t: t.view(B, L, *t.shape[1:])  # noqa: E731
+            if self.ops.mode == "exact":
+                o = attention_dense(shape(q), shape(k), shape(v), scale)
+            else:
+                g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+                o = F.scaled_dot_product_attention(
+                    shape(q).transpose(1, 2), shape(k).transpose(1, 2), shape(v).transpose(1, 2),
+                    is_causal=True, scale=scale, enable_gqa=g > 1,
+                ).transpose(1, 2)
+            return o.reshape(B * L, *o.shape[2:])
+
+        h = self.hidden_states(tokens.reshape(-1), positions, attn)
+        return self.logits(h).view(B, L, -1)
+
+
+def build(flavor: str | Qwen3Config, kernels: str = "exact", **overrides) -> Qwen3ForCausalLM:
+    if isinstance(flavor, str):
+        if flavor not in FLAVORS:
+            raise ValueError(f"model.flavor = {flavor!r} is unknown for qwen3; allowed: {sorted(FLAVORS)}")
+        cfg = FLAVORS[flavor]
+    else:
+        cfg = flavor
+    return Qwen3ForCausalLM(replace(cfg, **overrides) if overrides else cfg, kernels)

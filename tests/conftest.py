@@ -1,0 +1,16 @@
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs each run: the seed is drawn from the OS and printed on failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)

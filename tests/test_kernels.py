@@ -1,0 +1,118 @@
+"""Each kernel against its reference (closeness, stated tolerance) and its invariance
+(torch.equal) on fresh random inputs."""
+
+import math
+
+import pytest
+import torch
+
+from titan_rl.kernels import attention_dense, attention_paged, linear, lm_head_logits, rms_norm, token_logprobs
+from titan_rl.kernels.attention.reference import attention_reference
+from titan_rl.kernels.attention.torch_impl import BLOCK
+from titan_rl.kernels.lm_head.reference import token_logprobs_reference
+from titan_rl.kernels.matmul.reference import linear_reference
+from titan_rl.kernels.rmsnorm.reference import rms_norm_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+# Tolerances vs references: fp32 accumulations of K terms ~ sqrt(K)*eps relative;
+# bf16 outputs are rounded to 8 mantissa bits (eps 2^-8).
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_matches_reference_and_is_row_invariant(dtype, rng):
+    K, N = 384, 200
+    w = torch.randn(N, K, generator=rng).to(dtype)
+    x = torch.randn(150, K, generator=rng).to(dtype)
+    full = linear(x, w)
+    torch.testing.assert_close(full.float(), linear_reference(x.double(), w.double()).float(),
+                               rtol=TOL[dtype], atol=TOL[dtype] * math.sqrt(K))
+    for m in (1, 2, 3, 17, 64, 65, 149):
+        assert torch.equal(linear(x[:m], w), full[:m]), m
+        assert torch.equal(linear(x[-m:], w), full[-m:]), m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference_and_is_row_invariant(dtype, rng):
+    x = torch.randn(70, 96, generator=rng).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=rng)).to(dtype)
+    full = rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(full, rms_norm_reference(x, w, 1e-6), rtol=TOL[dtype], atol=TOL[dtype])
+    for m in (1, 2, 5, 69):
+        assert torch.equal(rms_norm(x[:m], w, 1e-6), full[:m])
+    # heads view (q/k norm): same rows, different leading shape
+    assert torch.equal(rms_norm(x.view(10, 7, 96), w, 1e-6).view(70, 96), full)
+
+
+def test_lm_head_fp32_matches_reference_and_is_row_invariant(rng):
+    h = torch.randn(33, 64, generator=rng).to(torch.bfloat16)
+    w = (0.05 * torch.randn(500, 64, generator=rng)).to(torch.bfloat16)
+    tok = torch.randint(0, 500, (33,), generator=rng)
+    logits = lm_head_logits(h, w.float())
+    assert logits.dtype == torch.float32
+    lp = token_logprobs(logits, tok)
+    torch.testing.assert_close(lp.double(), token_logprobs_reference(h, w, tok), rtol=0, atol=1e-5)
+    for m in (1, 4, 32):
+        assert torch.equal(token_logprobs(lm_head_logits(h[:m], w.float()), tok[:m]), lp[:m])
+
+
+def _qkv(rng, B, L, H, Hkv, D, dtype):
+    q = torch.randn(B, L, H, D, generator=rng).to(dtype)
+    k = torch.randn(B, L, Hkv, D, generator=rng).to(dtype)
+    v = torch.randn(B, L, Hkv, D, generator=rng).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_dense_matches_reference(dtype, rng):
+    q, k, v = _qkv(rng, 2, 75, 4, 2, 32, dtype)
+    out = attention_dense(q, k, v, 32**-0.5)
+    torch.testing.assert_close(out.float(), attention_reference(q, k, v, 32**-0.5).float(),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_dense_batch_and_length_invariant(dtype, rng):
+    q, k, v = _qkv(rng, 3, 70, 4, 2, 32, dtype)
+    full = attention_dense(q, k, v, 0.2)
+    # one sequence alone, and a prefix of it (fewer KV blocks visited)
+    assert torch.equal(attention_dense(q[1:2], k[1:2], v[1:2], 0.2), full[1:2])
+    assert torch.equal(attention_dense(q[:, :33], k[:, :33], v[:, :33], 0.2), full[:, :33])
+
+
+def _paged_cache(k, v, page, n_pages, perm):
+    """Write sequences [S, L, Hkv, D] into a shuffled paged cache; returns caches, table."""
+    S, L, Hkv, D = k.shape
+    kc = torch.full((n_pages, Hkv, page, D), float("nan"), dtype=k.dtype)
+    vc = torch.full((n_pages, Hkv, page, D), float("nan"), dtype=k.dtype)
+    per_seq = -(-L // page)
+    table = perm[: S * per_seq].view(S, per_seq)
+    for s in range(S):
+        for t in range(L):
+            kc[table[s, t // page], :, t % page] = k[s, t]
+            vc[table[s, t // page], :, t % page] = v[s, t]
+    return kc, vc, table
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_paged_equals_dense_for_every_split(dtype, rng):
+    """Prefill chunks and decodes over a paged cache (NaN in unused slots) give the bits
+    of the trainer's dense causal attention, row for row."""
+    S, L, H, Hkv, D, page = 3, 2 * BLOCK + 7, 4, 2, 32, 2 * BLOCK
+    q, k, v = _qkv(rng, S, L, H, Hkv, D, dtype)
+    dense = attention_dense(q, k, v, 0.25)
+    n_pages = 16
+    kc, vc, table = _paged_cache(k, v, page, n_pages, torch.randperm(n_pages, generator=rng))
+    # a step where seq 0 decodes at every position, seq 1 prefills a chunk, seq 2 whole prefill
+    for t in [0, 1, BLOCK - 1, BLOCK, L - 1]:
+        chunk0 = (t, t + 1)
+        chunk1 = (max(0, t - 5), t + 1)
+        chunk2 = (0, t + 1)
+        spans = [chunk0, chunk1, chunk2]
+        qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
+        qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
+        seq_lens = torch.tensor([b for _, b in spans])
+        out = attention_paged(qs, kc, vc, qsl, seq_lens, table, 0.25)
+        for s, (a, b) in enumerate(spans):
+            got = out[qsl[s] : qsl[s + 1]]
+            assert torch.equal(got, dense[s, a:b]), (t, s)

@@ -1,0 +1,73 @@
+"""One registration makes an architecture known to both engines.
+
+`register_architecture(spec)` records the model class, its flavors and config
+converters. TorchTitan's side builds a ModelSpec from it (titan_rl.titan.spec), and
+vLLM's side registers a wrapper class named `spec.vllm_architecture` through the
+vllm.general_plugins entry point (titan_rl.vllm.plugin), which runs in every vLLM
+process. The built-in Qwen3 is registered here the same way a user's model would be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class ArchitectureSpec:
+    name: str                                   # e.g. "qwen3"
+    build: Callable[..., torch.nn.Module]       # build(flavor_or_config, kernels=...) -> model
+    flavors: dict[str, Any]                     # flavor name -> model config
+    config_from_hf: Callable[[dict], Any]       # HF config.json dict -> model config
+    config_to_hf: Callable[[Any, str], dict]    # (model config, architecture name) -> config.json dict
+    vllm_architecture: str                      # the `architectures` entry vLLM resolves to our wrapper
+    hf_architecture: str                        # the stock HF/vLLM architecture with the same weights
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, ArchitectureSpec] = {}
+
+
+def register_architecture(spec: ArchitectureSpec) -> ArchitectureSpec:
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"architecture {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get_architecture(name: str) -> ArchitectureSpec:
+    _register_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"model.name = {name!r} is unknown; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def list_architectures() -> list[str]:
+    _register_builtins()
+    return sorted(_REGISTRY)
+
+
+def architecture_for_vllm(arch: str) -> ArchitectureSpec:
+    _register_builtins()
+    for spec in _REGISTRY.values():
+        if spec.vllm_architecture == arch:
+            return spec
+    raise ValueError(f"no titan_rl architecture registered for vLLM architecture {arch!r}")
+
+
+def _register_builtins() -> None:
+    if "qwen3" in _REGISTRY:
+        return
+    from titan_rl.models import qwen3
+
+    register_architecture(ArchitectureSpec(
+        name="qwen3",
+        build=qwen3.build,
+        flavors=qwen3.FLAVORS,
+        config_from_hf=qwen3.Qwen3Config.from_hf,
+        config_to_hf=lambda cfg, arch: cfg.hf_config(arch),
+        vllm_architecture="TitanQwen3ForCausalLM",
+        hf_architecture="Qwen3ForCausalLM",
+    ))
