@@ -86,7 +86,7 @@ def _paged_cache(k, v, page, n_pages, perm):
     kc = torch.full((n_pages, Hkv, page, D), float("nan"), dtype=k.dtype)
     vc = torch.full((n_pages, Hkv, page, D), float("nan"), dtype=k.dtype)
     per_seq = -(-L // page)
-    table = perm[: S * per_seq].view(S, per_seq)
+    table = perm[: S * per_seq].reshape(S, per_seq)
     for s in range(S):
         for t in range(L):
             kc[table[s, t // page], :, t % page] = k[s, t]
@@ -116,3 +116,29 @@ def test_attention_paged_equals_dense_for_every_split(dtype, rng):
         for s, (a, b) in enumerate(spans):
             got = out[qsl[s] : qsl[s + 1]]
             assert torch.equal(got, dense[s, a:b]), (t, s)
+
+
+def test_attention_paged_random_layouts(rng):
+    """Random head layouts, page sizes, batch compositions and prefill/decode spans:
+    every row equals the trainer's dense attention bitwise."""
+    import random
+
+    r = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    for _ in range(12):
+        D, Hkv, G = r.choice([32, 64, 128]), r.choice([1, 2, 4]), r.choice([1, 2, 4])
+        dtype, page = r.choice(DTYPES), r.choice([32, 64, 128])
+        S = r.randint(1, 5)
+        lens = [r.randint(1, 140) for _ in range(S)]
+        q, k, v = _qkv(rng, S, max(lens), Hkv * G, Hkv, D, dtype)
+        dense = attention_dense(q, k, v, D**-0.5)
+        n_pages = S * (-(-max(lens) // page)) + 2
+        kc, vc, table = _paged_cache(k, v, page, n_pages, torch.randperm(n_pages, generator=rng))
+        spans = []
+        for s in range(S):
+            a = r.randint(0, lens[s] - 1)
+            spans.append((a, r.randint(a + 1, lens[s])))
+        qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
+        qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
+        out = attention_paged(qs, kc, vc, qsl, torch.tensor([b for _, b in spans]), table, D**-0.5)
+        for s, (a, b) in enumerate(spans):
+            assert torch.equal(out[qsl[s] : qsl[s + 1]], dense[s, a:b]), (D, Hkv, G, dtype, page, lens, spans)

@@ -12,14 +12,16 @@ The algorithm (docs/kernels.md):
     value 0, so their contribution is exactly 0.
   * The two GEMMs per block contract over D (scores) and BLOCK (values): small
     fixed K, which MKL computes row-invariantly once a call has >= 2 rows
-    (guard test). Rows are therefore padded to at least MIN_ROWS.
+    (guard test) when its row count is a multiple of ROW_MULTIPLE; with exactly 2
+    rows (a GQA-2 decode) MKL took another path and rows differed in the last bit,
+    so rows are zero-padded to a multiple of ROW_MULTIPLE.
 Everything runs in fp32 whatever the model dtype; the output is cast back.
 """
 
 import torch
 
 BLOCK = 32
-MIN_ROWS = 2
+ROW_MULTIPLE = 8
 
 
 def _blocked_core(q, k_blocks, v_blocks, q_pos, kv_len, scale):
@@ -49,13 +51,13 @@ def _blocked_core(q, k_blocks, v_blocks, q_pos, kv_len, scale):
 
 
 def _to_rows(q, q_pos, hkv):
-    """q [S, Q, H, D], q_pos [S, Q] -> rows [S, Hkv, Q*G(+pad), D], row positions."""
+    """q [S, Q, H, D], q_pos [S, Q] -> rows [S, Hkv, R, D] (R = Q*G padded), row positions."""
     S, Q, H, D = q.shape
     g = H // hkv
     rows = q.float().view(S, Q, hkv, g, D).permute(0, 2, 1, 3, 4).reshape(S, hkv, Q * g, D)
     pos = q_pos[:, :, None].expand(S, Q, g).reshape(S, Q * g)
-    if Q * g < MIN_ROWS:
-        pad = MIN_ROWS - Q * g
+    pad = (-(Q * g)) % ROW_MULTIPLE
+    if pad:
         rows = torch.cat([rows, rows.new_zeros(S, hkv, pad, D)], 2)
         pos = torch.cat([pos, pos.new_full((S, pad), -1)], 1)
     return rows, pos

@@ -1,0 +1,55 @@
+"""Build an in-process vLLM engine over a local HF-style folder, and sync weights into it.
+
+Environment facts (shared/PLATFORM.md): VLLM_ENABLE_V1_MULTIPROCESSING=0 must be set
+before vllm is imported to keep the engine in this process (start in seconds, and the
+model object is reachable for weight updates); on CPU the KV cache size must be given
+explicitly; torch's thread count must be set before the engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+
+from titan_rl.registry import get_architecture  # noqa: E402
+
+
+def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: str = "bfloat16", seed: int = 0,
+             kv_cache_mib: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
+             max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+             block_size: int | None = None):
+    """engine='exact': our wrapper (same model definition as the trainer);
+    engine='stock': vLLM's built-in implementation of the same architecture."""
+    if engine not in ("exact", "stock"):
+        raise ValueError(f"engine = {engine!r} is not allowed; use 'exact' or 'stock'")
+    from vllm import LLM
+
+    spec = get_architecture(arch)
+    kwargs = dict(
+        model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed, enforce_eager=True,
+        kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+        hf_overrides={"architectures": [spec.vllm_architecture if engine == "exact" else spec.hf_architecture]},
+    )
+    if max_num_batched_tokens is not None:
+        kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+    if block_size is not None:
+        kwargs.update(block_size=block_size)
+    return LLM(**kwargs)
+
+
+def engine_model(llm) -> torch.nn.Module:
+    """The model object inside an in-process engine."""
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    return core.model_executor.driver_worker.worker.model_runner.model
+
+
+def update_weights(llm, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load new weights into the engine and drop every cached prefix: KV (and state)
+    computed under the old weights must never be reused."""
+    engine_model(llm).load_weights(state_dict.items())
+    llm.reset_prefix_cache()

@@ -1,0 +1,83 @@
+"""The vLLM side of a registered architecture: a thin wrapper, not a second model.
+
+It builds the ONE model definition through the registry (kernels="exact") and adopts
+its submodules, so parameter names are the model's own (HF names). vLLM hands it one
+flat stream of scheduled tokens; the wrapper supplies the only engine-specific piece,
+attention over vLLM's paged cache (titan_rl.vllm.attention), as the callable the
+model's layers call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+
+from titan_rl.kernels import lm_head_logits
+from titan_rl.registry import architecture_for_vllm
+from titan_rl.vllm.attention import TitanAttentionBackend
+
+
+class TitanForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        spec = architecture_for_vllm(hf.architectures[0])
+        cfg = spec.config_from_hf(hf.to_dict())
+        dtype = vllm_config.model_config.dtype
+        try:  # TODO(wire): selfcheck lands with the kernels work
+            from titan_rl.kernels.selfcheck import check_platform
+        except ImportError:
+            check_platform = lambda dtype: None  # noqa: E731
+        check_platform(dtype)  # refuse exact mode on a platform that breaks invariance
+        net = spec.build(cfg, kernels="exact")
+        self.cfg = cfg
+        self.model, self.lm_head = net.model, net.lm_head  # adopt: names stay model.* / lm_head.*
+        object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.attn = nn.ModuleList(
+            Attention(h, d, 1.0 / math.sqrt(d), num_kv_heads=hkv, cache_config=vllm_config.cache_config,
+                      prefix=f"{prefix}model.layers.{i}.self_attn.attn", attn_backend=TitanAttentionBackend)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self._lm_head_fp32: torch.Tensor | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        T = positions.shape[0]
+
+        def attn(i, q, k, v):
+            return self.attn[i](q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)).view(q.shape)
+
+        return self._net.hidden_states(input_ids, positions, attn, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self._lm_head_fp32 is None:
+            self._lm_head_fp32 = self.lm_head.weight.detach().float()
+        return lm_head_logits(hidden_states, self._lm_head_fp32)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Strict: unknown names and wrong shapes raise, naming the key."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                name = "model.embed_tokens.weight"
+            if name not in params:
+                raise ValueError(f"checkpoint key {name!r} does not exist in {type(self).__name__}")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint key {name!r}: expected shape {tuple(p.shape)}, found {tuple(tensor.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor.to(p.dtype))
+            loaded.add(name)
+        if self.cfg.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        self._lm_head_fp32 = None  # refreshed from the new weights on next use
+        return loaded
