@@ -1,0 +1,184 @@
+"""TOML -> typed config dataclasses, strictly.
+
+Every section is a dataclass; an unknown section or key, a wrong type or a value
+outside its allowed set is a ConfigError naming the key, the value, what is allowed
+and the nearest valid key. Overrides use `--section.key=value` (TOML value syntax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    name: str = "qwen3"
+    flavor: str = "debug"
+    dtype: str = "bfloat16"
+    checkpoint: str = ""  # local HF folder (config.json + *.safetensors); "" = random weights
+    seed: int = 0  # random-weight seed
+    init_std: float = 0.02
+
+    _choices = {"dtype": ("bfloat16", "float32")}
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 64
+
+
+@dataclass
+class RolloutConfig:
+    kv_cache_mib: int = 256
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 0  # 0 = vLLM's default (no forced chunking)
+    enable_prefix_caching: bool = True
+    max_model_len: int = 1024
+
+
+@dataclass
+class ParityConfig:
+    mode: str = "exact"
+    num_prompts: int = 40
+    prompt_len_min: int = 4
+    prompt_len_max: int = 200
+    full_vocab_prompts: int = 2  # requests whose full-vocabulary log-probs are compared
+    trainer_batch_sizes: list[int] = field(default_factory=lambda: [1, 3, 8])
+    seed: int = 0
+
+    _choices = {"mode": ("exact", "stock")}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+
+
+def _nearest(name: str, allowed) -> str:
+    m = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.5)
+    return f"; did you mean {m[0]!r}?" if m else ""
+
+
+def _check_type(path: str, value, tp):
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path} = {value!r}: expected a list of {inner.__name__}")
+        return [_check_type(f"{path}[{i}]", v, inner) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{path} = {value!r}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _fill(obj, section: str, table: dict) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    choices = getattr(type(obj), "_choices", {})
+    for key, value in table.items():
+        path = f"{section}.{key}"
+        if key not in names:
+            raise ConfigError(f"unknown key {path!r} (value {value!r}); allowed in [{section}]: {names}{_nearest(key, names)}")
+        value = _check_type(path, value, hints[key])
+        if key in choices and value not in choices[key]:
+            raise ConfigError(f"{path} = {value!r} is not allowed; allowed: {list(choices[key])}")
+        setattr(obj, key, value)
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for section, table in data.items():
+        if section not in sections:
+            raise ConfigError(f"unknown section [{section}]; allowed: {sections}{_nearest(section, sections)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table, got {table!r}")
+        _fill(getattr(cfg, section), section, table)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    from titan_rl.registry import get_architecture
+
+    spec = get_architecture(cfg.model.name)
+    if not cfg.model.checkpoint and cfg.model.flavor not in spec.flavors:
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is unknown for {cfg.model.name}; "
+                          f"allowed: {sorted(spec.flavors)}{_nearest(cfg.model.flavor, spec.flavors)}")
+    s = cfg.sampling
+    if not 0.0 < s.top_p <= 1.0:
+        raise ConfigError(f"sampling.top_p = {s.top_p}: must be in (0, 1]")
+    if s.temperature <= 0:
+        raise ConfigError(f"sampling.temperature = {s.temperature}: must be > 0 (greedy has no log-prob ratio to study)")
+    if s.top_k < 0:
+        raise ConfigError(f"sampling.top_k = {s.top_k}: must be >= 0 (0 = off)")
+    p = cfg.parity
+    if not 1 <= p.prompt_len_min <= p.prompt_len_max:
+        raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
+    if p.prompt_len_max + s.max_tokens > cfg.rollout.max_model_len:
+        raise ConfigError(f"parity.prompt_len_max + sampling.max_tokens = {p.prompt_len_max + s.max_tokens} exceeds "
+                          f"rollout.max_model_len = {cfg.rollout.max_model_len}")
+
+
+def _parse_value(raw: str):
+    try:
+        return tomli.loads(f"v = {raw}")["v"]
+    except tomli.TOMLDecodeError:
+        return raw  # bare string
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomli.loads(p.read_text())
+        except tomli.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    for ov in overrides:
+        key, sep, raw = ov.removeprefix("--").partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {ov!r}: expected --section.key=value")
+        section, name = key.split(".", 1)
+        data.setdefault(section, {})[name] = _parse_value(raw)
+    return from_dict(data)
+
+
+def to_toml(cfg: Config) -> str:
+    out = []
+    for f in dataclasses.fields(cfg):
+        out.append(f"[{f.name}]")
+        for k, v in dataclasses.asdict(getattr(cfg, f.name)).items():
+            out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
