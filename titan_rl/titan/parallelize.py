@@ -1,0 +1,233 @@
+"""TP and FSDP2 for the Qwen3 model definition, with the same logits on every layout.
+
+TorchTitan calls `parallelize_qwen3(model, parallel_dims=..., training=..., parallelism=...,
+compile_config=..., ac_config=..., dump_folder=...)` (its parallelize_fn signature);
+`apply_tp` / `apply_fsdp` can also be used directly (tests, the RL trainer).
+
+Exactness, layout by layout (torch.equal of the forward logits vs one process):
+  * FSDP (any degree): weights are all-gathered before use, so every GEMM sees the same
+    values and shapes as the unsharded model: exact by construction.
+  * TP needs `tp_leaves = L > 0` (TitanModel.Config), which makes the unsharded model
+    compute the same fixed-shape pieces (titan_rl.titan.tp_linear):
+      - column-parallel q/k/v/gate/up (weight Shard(0)): L fixed column blocks, a rank
+        holds L/t of them and issues the same GEMM calls;
+      - row-parallel o/down (weight Shard(1)): L K-leaves, each rank sums its subtree,
+        all_gather, the same fixed tree on every rank;
+      - attention runs on the rank's heads (the fixed-block attention kernel does not
+        depend on the number of heads in the call);
+    exact for TP = 1, 2, ..., L. With tp_leaves = 0: one GEMM per rank + all-reduce:
+    close (~1e-6 in fp32), not bitwise.
+  * q_norm / k_norm (per-head RMSNorm) see only the rank's heads: their replicated
+    weight's gradient is all-reduced over TP (HeadNorm); the forward is unchanged.
+  * Embedding, final norm and LM head are replicated under TP (the LM head is not
+    vocab-parallel yet: every TP rank computes the full logits).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from titan_rl.titan import cpu_compat
+
+cpu_compat.apply()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
+
+from titan_rl.kernels import linear as exact_linear  # noqa: E402
+from titan_rl.titan.model import TP_PLANS, check_tp_degree, reclass  # noqa: E402
+from titan_rl.titan.tp_linear import (  # noqa: E402
+    _AllReduceSum,
+    column_parallel_linear,
+    copy_to_tp,
+    row_parallel_linear,
+)
+
+logger = logging.getLogger(__name__)
+
+COLWISE = TP_PLANS["qwen3"]["colwise"]
+ROWWISE = TP_PLANS["qwen3"]["rowwise"]
+
+
+# -- tensor parallel ---------------------------------------------------------------------
+
+def _kernel(mod):
+    """The module's own linear (ops.linear: exact kernel or F.linear in 'stock' mode)."""
+    return getattr(getattr(mod, "ops", None), "linear", exact_linear)
+
+
+class ColwiseLinear(nn.Module):
+    """Re-classing mixin: weight is a DTensor Shard(0) on the TP mesh; output = this
+    rank's columns. The replicated input goes through copy_to_tp (backward all-reduce)."""
+
+    tp_group = None
+    tp_leaves: int = 0
+
+    def forward(self, x):
+        w = _local(self.weight)
+        if self.tp_leaves:
+            return column_parallel_linear(x, w, self.tp_group, self.tp_leaves)
+        return _kernel(self)(copy_to_tp(x, self.tp_group), w)
+
+
+class RowwiseLinear(nn.Module):
+    """Re-classing mixin: weight is a DTensor Shard(1) on the TP mesh; input is this rank's
+    K-share; output replicated (fixed leaf tree when tp_leaves > 0, else all-reduce)."""
+
+    tp_group = None
+    tp_leaves: int = 0
+
+    def forward(self, x):
+        w = _local(self.weight)
+        if self.tp_leaves:
+            return row_parallel_linear(x, w, self.tp_group, self.tp_leaves)
+        return _AllReduceSum.apply(_kernel(self)(x, w), self.tp_group)
+
+
+class HeadNorm(nn.Module):
+    """Re-classing mixin for q_norm / k_norm under TP: the weight is replicated but each
+    rank normalises only its own heads, so its weight gradient is a partial sum; the
+    weight passes through copy_to_tp (identity forward, all-reduce backward)."""
+
+    tp_group = None
+
+    def forward(self, x):
+        return self.ops.rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
+
+
+def _local(w):
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _shard_param(mod: nn.Module, name: str, mesh, dim: int) -> None:
+    p = getattr(mod, name)
+    dt = distribute_tensor(p.data, mesh, [Shard(dim)], src_data_rank=None)
+    setattr(mod, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def _decoder_layers(model: nn.Module):
+    return model.get_submodule("model.layers")
+
+
+def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
+    """Shard q/k/v/gate/up by output rows (Shard(0)) and o/down by input columns
+    (Shard(1)) on `tp_mesh`; every rank must hold the same full weights (or meta).
+    `tp_leaves` defaults to the model's TitanModel.Config.tp_leaves."""
+    tp = tp_mesh.size()
+    group = tp_mesh.get_group()
+    if tp_leaves is None:
+        tp_leaves = getattr(getattr(model, "titan_config", None), "tp_leaves", 0)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:
+        check_tp_degree(cfg, tp, tp_leaves)
+    if not tp_leaves:
+        logger.warning("TP=%d with tp_leaves=0: logits are close to, not bitwise equal to, TP=1", tp)
+    for layer in _decoder_layers(model):
+        for path in COLWISE:
+            lin = layer.get_submodule(path)
+            _shard_param(lin, "weight", tp_mesh, 0)
+            reclass(lin, ColwiseLinear)
+            lin.tp_group, lin.tp_leaves = group, tp_leaves
+        for path in ROWWISE:
+            lin = layer.get_submodule(path)
+            _shard_param(lin, "weight", tp_mesh, 1)
+            reclass(lin, RowwiseLinear)
+            lin.tp_group, lin.tp_leaves = group, tp_leaves
+        attn = layer.self_attn
+        for norm in (attn.q_norm, attn.k_norm):
+            reclass(norm, HeadNorm)
+            norm.tp_group = group
+        attn.h, attn.hkv = attn.h // tp, attn.hkv // tp  # this rank's heads
+
+
+# -- activation checkpointing ------------------------------------------------------------
+
+def apply_full_ac(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant checkpoint). Parameter
+    names are unchanged (no wrapper module). The recompute is the same deterministic
+    arithmetic, so gradients are unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in _decoder_layers(model):
+        orig = layer.forward
+
+        def fwd(*args, _orig=orig, **kwargs):
+            return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = fwd
+
+
+def _apply_ac_config(model: nn.Module, ac_config) -> None:
+    if ac_config is None:
+        return
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    if isinstance(ac_config, FullAC.Config):
+        apply_full_ac(model)
+    elif isinstance(ac_config, SelectiveAC.Config):
+        logger.warning("titan_rl: SelectiveAC is not supported for this model; no activation "
+                       "checkpointing applied (use FullAC.Config() or None)")
+    else:
+        raise NotImplementedError(f"activation checkpointing {type(ac_config).__qualname__} is not supported")
+
+
+# -- FSDP2 -------------------------------------------------------------------------------
+
+def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+               gradient_divide_factor: float | None = None) -> None:
+    """fully_shard each decoder layer, then the root (embedding, final norm, LM head: the
+    LM head weight is read directly by `logits()`, so it must live in the root unit,
+    which stays unsharded for the whole forward). On gloo, gradients are reduced with
+    SUM (cpu_compat.force_sum_reduction)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if gradient_divide_factor is not None:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(gradient_divide_factor)
+    if dist.is_initialized() and "gloo" in str(dist.get_backend()).lower():
+        cpu_compat.force_sum_reduction(model)
+
+
+# -- the TorchTitan parallelize_fn -------------------------------------------------------
+
+def parallelize_qwen3(model: nn.Module, *, parallel_dims, training=None, parallelism=None,
+                      compile_config=None, ac_config=None, dump_folder: str = "",
+                      skip_dp: bool = False, **unused):
+    """TorchTitan's parallelize_fn for titan_rl's Qwen3: TP (tp mesh), activation
+    checkpointing, FSDP2 / HSDP (fsdp mesh, always applied like torchtitan does, for the
+    mixed-precision policy). CP, PP, EP and torch.compile are refused."""
+    if compile_config is not None and getattr(compile_config, "enable", False):
+        raise ValueError("torch.compile breaks batch invariance: set compile.enable = False")
+    for what, on in (("context parallel", parallel_dims.cp_enabled),
+                     ("pipeline parallel", parallel_dims.pp_enabled),
+                     ("expert parallel", parallel_dims.ep_enabled)):
+        if on:
+            raise NotImplementedError(f"{what} is not supported for titan_rl models")
+
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"))
+    _apply_ac_config(model, ac_config)
+    if skip_dp:
+        return model
+
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    dp_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    dp_mesh = parallel_dims.get_mesh(dp_names)
+    param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param] if training is not None else None
+    reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce] if training is not None else None
+    policy = getattr(parallelism, "fsdp_reshard_after_forward", "default") if parallelism else "default"
+    apply_fsdp(
+        model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        reshard_after_forward=policy != "never",
+        # torchtitan normalises the loss by the global token count: no FSDP division.
+        gradient_divide_factor=1.0,
+    )
+    return model
