@@ -81,17 +81,17 @@ def test_attention_dense_batch_and_length_invariant(dtype, rng):
 
 
 def _paged_cache(k, v, page, n_pages, perm):
-    """Write sequences [S, L, Hkv, D] into a shuffled paged cache; returns caches, table."""
+    """Write sequences [S, L, Hkv, D] into a shuffled paged cache [n_pages, Hkv, 2, page, D]
+    whose unused slots hold NaN (like uninitialised memory); returns cache, block table."""
     S, L, Hkv, D = k.shape
-    kc = torch.full((n_pages, Hkv, page, D), float("nan"), dtype=k.dtype)
-    vc = torch.full((n_pages, Hkv, page, D), float("nan"), dtype=k.dtype)
+    kv = torch.full((n_pages, Hkv, 2, page, D), float("nan"), dtype=k.dtype)
     per_seq = -(-L // page)
     table = perm[: S * per_seq].reshape(S, per_seq)
     for s in range(S):
         for t in range(L):
-            kc[table[s, t // page], :, t % page] = k[s, t]
-            vc[table[s, t // page], :, t % page] = v[s, t]
-    return kc, vc, table
+            kv[table[s, t // page], :, 0, t % page] = k[s, t]
+            kv[table[s, t // page], :, 1, t % page] = v[s, t]
+    return kv, table
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,7 +102,7 @@ def test_attention_paged_equals_dense_for_every_split(dtype, rng):
     q, k, v = _qkv(rng, S, L, H, Hkv, D, dtype)
     dense = attention_dense(q, k, v, 0.25)
     n_pages = 16
-    kc, vc, table = _paged_cache(k, v, page, n_pages, torch.randperm(n_pages, generator=rng))
+    kv, table = _paged_cache(k, v, page, n_pages, torch.randperm(n_pages, generator=rng))
     # a step where seq 0 decodes at every position, seq 1 prefills a chunk, seq 2 whole prefill
     for t in [0, 1, BLOCK - 1, BLOCK, L - 1]:
         chunk0 = (t, t + 1)
@@ -112,7 +112,7 @@ def test_attention_paged_equals_dense_for_every_split(dtype, rng):
         qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
         qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
         seq_lens = torch.tensor([b for _, b in spans])
-        out = attention_paged(qs, kc, vc, qsl, seq_lens, table, 0.25)
+        out = attention_paged(qs, kv, qsl, seq_lens, table, 0.25)
         for s, (a, b) in enumerate(spans):
             got = out[qsl[s] : qsl[s + 1]]
             assert torch.equal(got, dense[s, a:b]), (t, s)
@@ -132,14 +132,14 @@ def test_attention_paged_random_layouts(rng):
         q, k, v = _qkv(rng, S, max(lens), Hkv * G, Hkv, D, dtype)
         dense = attention_dense(q, k, v, D**-0.5)
         n_pages = S * (-(-max(lens) // page)) + 2
-        kc, vc, table = _paged_cache(k, v, page, n_pages, torch.randperm(n_pages, generator=rng))
+        kv, table = _paged_cache(k, v, page, n_pages, torch.randperm(n_pages, generator=rng))
         spans = []
         for s in range(S):
             a = r.randint(0, lens[s] - 1)
             spans.append((a, r.randint(a + 1, lens[s])))
         qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
         qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
-        out = attention_paged(qs, kc, vc, qsl, torch.tensor([b for _, b in spans]), table, D**-0.5)
+        out = attention_paged(qs, kv, qsl, torch.tensor([b for _, b in spans]), table, D**-0.5)
         for s, (a, b) in enumerate(spans):
             assert torch.equal(out[qsl[s] : qsl[s + 1]], dense[s, a:b]), (D, Hkv, G, dtype, page, lens, spans)
 
@@ -156,3 +156,15 @@ def test_linear_backward_is_the_gradient(rng):
     torch.testing.assert_close(w.grad.double(), w2.grad, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert torch.equal(linear(x, w), linear(x.detach(), w.detach()))
+
+
+def test_attention_backward_is_the_gradient(rng):
+    q, k, v = (t.requires_grad_() for t in _qkv(rng, 2, 40, 4, 2, 32, torch.float32))
+    g = torch.randn(2, 40, 4, 32, generator=rng)
+    (attention_dense(q, k, v, 0.2) * g).sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    (attention_reference(*ref, 0.2).double() * g.double()).sum().backward()
+    for a, b in zip((q, k, v), ref):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(attention_dense(q, k, v, 0.2), attention_dense(q.detach(), k.detach(), v.detach(), 0.2))

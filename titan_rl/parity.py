@@ -126,6 +126,11 @@ def compare(samples, key_pi="pi") -> dict:
     return out
 
 
+def spec_config(cfg, folder):
+    with open(os.path.join(folder, "config.json")) as f:
+        return get_architecture(cfg.model.name).config_from_hf(json.load(f))
+
+
 def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print) -> dict:
     from titan_rl.checkpoint import load_hf_folder
     from titan_rl.vllm.engine import make_llm
@@ -142,6 +147,10 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print) -> 
     t_roll = time.perf_counter() - t0
     progress(f"[{engine}] sampled {sum(len(s['tokens']) for s in samples)} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]
+    if engine == "exact":
+        from titan_rl.kernels.selfcheck import check_platform
+
+        check_platform(dtype, head_dim=getattr(spec_config(cfg, folder), "head_dim", 128))
     trainer = load_hf_folder(folder, kernels=engine, dtype=dtype, arch=cfg.model.name).eval()
     rescore(trainer, samples, cfg.parity.trainer_batch_sizes)
     result = {"engine": engine, **compare(samples)}
@@ -195,8 +204,7 @@ def main(argv=None) -> int:
     spec = get_architecture(cfg.model.name)
     with tempfile.TemporaryDirectory() as work:
         folder = build_weights(cfg, work)
-        with open(os.path.join(folder, "config.json")) as f:
-            vocab = spec.config_from_hf(json.load(f)).vocab_size
+        vocab = spec_config(cfg, folder).vocab_size
         prompts = make_prompts(cfg, vocab, n, seed)
         results = [run_engine(cfg, folder, e, prompts, seed) for e in engines]
     print_table(results)

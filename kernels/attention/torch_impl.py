@@ -34,7 +34,10 @@ def _blocked_core(q, k_blocks, v_blocks, q_pos, kv_len, scale):
     kpos = torch.arange(NB * BLOCK, device=q.device).view(NB, BLOCK)
     in_cache = kpos[None] < kv_len[:, None, None]  # [S, NB, BLOCK]
     valid = (kpos[None, :, None, :] <= q_pos[:, None, :, None]) & in_cache[:, :, None, :]  # [S, NB, R, BLOCK]
-    s = torch.matmul(q[:, :, None], k_blocks.transpose(-1, -2)) * scale  # [S, Hkv, NB, R, BLOCK]
+    # k^T made contiguous: with a transposed view MKL changed a row's bits with the row
+    # count at D = 256 (and at R = 2..5 for D = 128); contiguous operands did not.
+    kt = k_blocks.transpose(-1, -2).contiguous()
+    s = torch.matmul(q[:, :, None], kt) * scale  # [S, Hkv, NB, R, BLOCK]
     s = torch.where(valid[:, None], s, float("-inf"))
     m = s.amax(-1).amax(2)  # [S, Hkv, R]
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with nothing visible (padding)
@@ -67,9 +70,7 @@ def _from_rows(out, S, Q, H, D, hkv, dtype):
     return out.reshape(S, Q, H, D).to(dtype)
 
 
-def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Trainer path. q [B, L, H, D], k/v [B, L, Hkv, D], sequences start at position 0,
-    causal. Right padding is harmless (a row never sees later positions)."""
+def _dense_forward(q, k, v, scale):
     B, L, H, D = q.shape
     hkv = k.shape[2]
     nb = -(-L // BLOCK)
@@ -88,10 +89,41 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return _from_rows(out, B, L, H, D, hkv, q.dtype)
 
 
+class _DenseAttention(torch.autograd.Function):
+    """Exact forward; backward = the gradient of the same function computed by torch's
+    SDPA (recomputed). Only the forward must be batch-invariant: it is what both
+    engines compare. The gradient is the same function's, up to rounding."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return _dense_forward(q, k, v, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), is_causal=True, scale=ctx.scale,
+                enable_gqa=q.shape[2] != k.shape[2],
+            ).transpose(1, 2)
+            gq, gk, gv = torch.autograd.grad(o, (q_, k_, v_), grad)
+        return gq, gk, gv, None
+
+
+def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Trainer path. q [B, L, H, D], k/v [B, L, Hkv, D], sequences start at position 0,
+    causal. Right padding is harmless (a row never sees later positions)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _DenseAttention.apply(q, k, v, scale)
+    return _dense_forward(q, k, v, scale)
+
+
 def attention_paged(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -99,41 +131,38 @@ def attention_paged(
 ) -> torch.Tensor:
     """Engine path over a paged KV cache, prefills and decodes mixed in one flat stream.
 
-    q [T, H, D] (flat); key/value_cache [num_pages, Hkv, page, D]; query_start_loc
-    [S+1]; seq_lens [S] (KV length including this step's tokens); block_table
-    [S, max_pages]. The queries of sequence s are its last (qlen) positions.
-    Returns [T, H, D]."""
+    q [T, H, D] (flat); kv_cache [num_pages, Hkv, 2, page, D] (keys then values of a
+    page and head side by side: vLLM's CPU layout); query_start_loc [S+1]; seq_lens [S]
+    (KV length including this step's tokens); block_table [S, max_pages]. The queries
+    of sequence s are its last (qlen) positions. Returns [T, H, D]."""
     T, H, D = q.shape
-    hkv, page = key_cache.shape[1], key_cache.shape[2]
+    hkv, page = kv_cache.shape[1], kv_cache.shape[3]
     assert page % BLOCK == 0, f"KV page size {page} must be a multiple of the attention block {BLOCK}"
     S = seq_lens.shape[0]
+    seq_lens = seq_lens.long()
     qsl = query_start_loc.long()
     qlens = qsl[1:] - qsl[:-1]
     Q = int(qlens.max()) if S else 0
     max_kv = int(seq_lens.max()) if S else 0
     n_pages = -(-max_kv // page)
+    nb = -(-max_kv // BLOCK)  # blocks actually needed (pages may hold more)
     # Gather queries into [S, Q, H, D] (pad rows get position -1).
     ar = torch.arange(Q, device=q.device)
     idx = (qsl[:-1, None] + ar[None, :]).clamp(max=T - 1)
     qvalid = ar[None, :] < qlens[:, None]
-    qb = q[idx]
-    q_pos = torch.where(qvalid, seq_lens[:, None].long() - qlens[:, None] + ar[None, :], -1)
-    # Gather pages -> [S, Hkv, NB, BLOCK, D].
-    pages = block_table[:, :n_pages].long()
-
-    nb = -(-max_kv // BLOCK)  # blocks actually needed (pages may hold more)
-
-    def blocks(cache):
-        t = cache[pages].permute(0, 2, 1, 3, 4)  # [S, Hkv, n_pages, page, D]
-        out = torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
-        return out.view(S, hkv, n_pages * page // BLOCK, BLOCK, D)[:, :, :nb]
-
-    vb = blocks(value_cache)
-    beyond = torch.arange(nb * BLOCK, device=q.device)[None, :] >= seq_lens[:, None].long()  # [S, nb*BLOCK]
+    q_pos = torch.where(qvalid, seq_lens[:, None] - qlens[:, None] + ar[None, :], -1)
+    # Gather pages (one contiguous index for keys and values), then one fp32 copy into
+    # the [2, S, Hkv, NB, BLOCK, D] layout the core reads.
+    kv = kv_cache[block_table[:, :n_pages].long()]  # [S, n_pages, Hkv, 2, page, D]
+    kv32 = torch.empty((2, S, hkv, n_pages, page, D), dtype=torch.float32, device=q.device)
+    kv32.copy_(kv.permute(3, 0, 2, 1, 4, 5))
+    kv32 = kv32.view(2, S, hkv, n_pages * page // BLOCK, BLOCK, D)[:, :, :, :nb]
+    kb, vb = kv32[0], kv32[1]
+    beyond = torch.arange(nb * BLOCK, device=q.device)[None, :] >= seq_lens[:, None]  # [S, nb*BLOCK]
     vb.masked_fill_(beyond.view(S, 1, nb, BLOCK, 1), 0.0)  # uninitialised slots -> exact zeros
 
-    rows, pos = _to_rows(qb, q_pos, hkv)
-    out = _blocked_core(rows, blocks(key_cache), vb, pos, seq_lens.long(), scale)
+    rows, pos = _to_rows(q[idx], q_pos, hkv)
+    out = _blocked_core(rows, kb, vb, pos, seq_lens, scale)
     out = _from_rows(out, S, Q, H, D, hkv, q.dtype)  # [S, Q, H, D]
     result = q.new_empty(T, H, D)
     result[idx[qvalid]] = out[qvalid]

@@ -37,9 +37,9 @@ class TitanAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = _split_cache(kv_cache)
+        n_pages, hkv, page, _ = kv_cache.shape
         output[:n] = attention_paged(
-            query[:n], key_cache, value_cache, attn_metadata.query_start_loc,
+            query[:n], kv_cache.view(n_pages, hkv, 2, page, -1), attn_metadata.query_start_loc,
             attn_metadata.seq_lens, attn_metadata.block_table, self.scale,
         )
         return output

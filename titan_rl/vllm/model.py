@@ -18,6 +18,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titan_rl.kernels import lm_head_logits
+from titan_rl.kernels.selfcheck import check_platform
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.attention import TitanAttentionBackend
 
@@ -29,11 +30,8 @@ class TitanForCausalLM(nn.Module):
         spec = architecture_for_vllm(hf.architectures[0])
         cfg = spec.config_from_hf(hf.to_dict())
         dtype = vllm_config.model_config.dtype
-        try:  # TODO(wire): selfcheck lands with the kernels work
-            from titan_rl.kernels.selfcheck import check_platform
-        except ImportError:
-            check_platform = lambda dtype: None  # noqa: E731
-        check_platform(dtype)  # refuse exact mode on a platform that breaks invariance
+        # Refuse exact mode on a platform whose GEMMs break the invariance we rely on.
+        check_platform(dtype, head_dim=getattr(cfg, "head_dim", 128))  # refuse exact mode on a platform that breaks invariance
         net = spec.build(cfg, kernels="exact")
         self.cfg = cfg
         self.model, self.lm_head = net.model, net.lm_head  # adopt: names stay model.* / lm_head.*

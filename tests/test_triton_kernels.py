@@ -1,0 +1,188 @@
+"""Triton kernels (kernels/*/triton_impl.py) under TRITON_INTERPRET=1 on CPU tensors:
+closeness to the reference (stated tolerance) and batch invariance (torch.equal).
+
+The interpreter is 100-1000x slower than torch, so shapes are tiny but still cross
+every tile edge (rows > one row tile, K and N not multiples of the blocks, several KV
+blocks, several vocab chunks). Its bf16 tl.dot is broken, so GEMM-based ops run in fp32
+here; RMSNorm (no tl.dot) also runs in bf16.
+
+TRITON_INTERPRET must be set before triton is first imported (triton.language's own
+@jit helpers such as tl.sum are decorated at that import). When this module is the first
+to import triton, it sets the variable and runs in-process. In a full `pytest tests` run
+an earlier module has already imported triton normally; then every test here is skipped
+and test_in_a_fresh_interpreter_process runs this file in a child process instead.
+The variable is set only while this module imports and runs, so it does not leak into
+other test modules' tests.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+_PREV = os.environ.get("TRITON_INTERPRET")
+IN_PROCESS = _PREV == "1" or "triton" not in sys.modules
+if IN_PROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors, no GPU
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("numpy")
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from titan_rl.kernels.attention import triton_impl as attn  # noqa: E402
+from titan_rl.kernels.attention.reference import attention_reference  # noqa: E402
+from titan_rl.kernels.lm_head import triton_impl as lm  # noqa: E402
+from titan_rl.kernels.lm_head.reference import token_logprobs_reference  # noqa: E402
+from titan_rl.kernels.matmul import triton_impl as mm  # noqa: E402
+from titan_rl.kernels.matmul.reference import linear_reference  # noqa: E402
+from titan_rl.kernels.rmsnorm import triton_impl as rn  # noqa: E402
+from titan_rl.kernels.rmsnorm.reference import rms_norm_reference  # noqa: E402
+
+if IN_PROCESS:
+    # @triton.jit picks interpreter vs compiler when a kernel is decorated (at import): if
+    # these modules were imported before the variable was set, re-decorate them.
+    mm, rn, attn = (importlib.reload(m) for m in (mm, rn, attn))
+    lm = importlib.reload(lm)  # after mm: it binds mm.linear
+
+
+def _restore_env():
+    if _PREV is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV
+
+
+_restore_env()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_env():
+    if IN_PROCESS:
+        os.environ["TRITON_INTERPRET"] = "1"  # the interpreter also reads it at run time
+    yield
+    _restore_env()
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request):
+    if not IN_PROCESS and request.node.name != "test_in_a_fresh_interpreter_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
+                    "test_in_a_fresh_interpreter_process runs these tests in a child process")
+
+
+def test_in_a_fresh_interpreter_process():
+    if IN_PROCESS:
+        pytest.skip("this process runs the Triton interpreter itself")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"Triton interpreter tests failed in the child process:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+
+
+BLOCK = attn.BLOCK
+# fp32: accumulations of K terms ~ sqrt(K)*eps relative; bf16 outputs carry 8 mantissa bits.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def test_linear_matches_reference_and_is_row_invariant(rng):
+    # K=96: three K steps with a masked tail; N=70: two column tiles; 150 rows: three row tiles.
+    M, K, N = 150, 96, 70
+    x = torch.randn(M, K, generator=rng)
+    w = torch.randn(N, K, generator=rng)
+    full = mm.linear(x, w)
+    torch.testing.assert_close(full.double(), linear_reference(x.double(), w.double()),
+                               rtol=1e-4, atol=1e-4 * math.sqrt(K))
+    for m in (1, 2, 17, 64, 65, 149):
+        assert torch.equal(mm.linear(x[:m], w), full[:m]), m
+        assert torch.equal(mm.linear(x[-m:], w), full[-m:]), m
+    for i in (0, 63, 64, 100, 149):  # a row alone sits at tile position 0
+        assert torch.equal(mm.linear(x[i : i + 1], w), full[i : i + 1]), i
+    assert torch.equal(mm.linear(x.view(10, 15, K), w).view(M, N), full)  # leading dims
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference_and_is_row_invariant(dtype, rng):
+    x = torch.randn(40, 96, generator=rng).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=rng)).to(dtype)
+    full = rn.rms_norm(x, w, 1e-6)
+    assert full.dtype == dtype
+    torch.testing.assert_close(full, rms_norm_reference(x, w, 1e-6), rtol=TOL[dtype], atol=TOL[dtype])
+    for m in (1, 2, 5, 39):
+        assert torch.equal(rn.rms_norm(x[:m], w, 1e-6), full[:m]), m
+        assert torch.equal(rn.rms_norm(x[-m:], w, 1e-6), full[-m:]), m
+    assert torch.equal(rn.rms_norm(x.view(8, 5, 96), w, 1e-6).view(40, 96), full)  # q/k-norm view
+
+
+def test_lm_head_fp32_matches_reference_and_is_row_invariant(rng):
+    # V=2500: three vocab chunks of BLOCK_V=1024 with a masked tail.
+    h = torch.randn(20, 64, generator=rng)
+    w = 0.05 * torch.randn(2500, 64, generator=rng)
+    tok = torch.randint(0, 2500, (20,), generator=rng)
+    logits = lm.lm_head_logits(h, w)
+    assert logits.dtype == torch.float32
+    lp = lm.token_logprobs(logits, tok)
+    torch.testing.assert_close(lp.double(), token_logprobs_reference(h, w, tok), rtol=0, atol=1e-5)
+    lsm = lm.log_softmax_fp32(logits)
+    torch.testing.assert_close(lsm, logits.double().log_softmax(-1).float(), rtol=0, atol=1e-5)
+    for m in (1, 3, 19):
+        assert torch.equal(lm.token_logprobs(lm.lm_head_logits(h[:m], w), tok[:m]), lp[:m]), m
+        assert torch.equal(lm.log_softmax_fp32(logits[-m:]), lsm[-m:]), m
+
+
+def test_log_softmax_handles_masked_vocab(rng):
+    """-inf logits (a banned vocab prefix longer than a chunk) give -inf, never NaN."""
+    x = torch.randn(3, 2100, generator=rng)
+    x[:, :1500] = float("-inf")
+    y = lm.log_softmax_fp32(x)
+    assert torch.equal(torch.isinf(y), torch.isinf(x)) and not torch.isnan(y).any()
+    torch.testing.assert_close(y[:, 1500:], x[:, 1500:].log_softmax(-1), rtol=0, atol=1e-5)
+
+
+def _qkv(rng, B, L, H, Hkv, D):
+    return (torch.randn(B, L, H, D, generator=rng), torch.randn(B, L, Hkv, D, generator=rng),
+            torch.randn(B, L, Hkv, D, generator=rng))
+
+
+def test_attention_dense_matches_reference_and_is_batch_and_length_invariant(rng):
+    q, k, v = _qkv(rng, 3, 2 * BLOCK + 6, 4, 2, 32)  # GQA 2:1, three KV blocks, ragged last
+    full = attn.attention_dense(q, k, v, 0.2)
+    torch.testing.assert_close(full.double(), attention_reference(q, k, v, 0.2).double(), rtol=1e-4, atol=1e-4)
+    assert torch.equal(attn.attention_dense(q[1:2], k[1:2], v[1:2], 0.2), full[1:2])  # alone
+    for L in (1, BLOCK, BLOCK + 1):  # prefix: fewer KV blocks visited
+        assert torch.equal(attn.attention_dense(q[:, :L], k[:, :L], v[:, :L], 0.2), full[:, :L]), L
+
+
+def _paged_cache(k, v, page, n_pages, perm):
+    """Write sequences [S, L, Hkv, D] into a shuffled paged cache [n_pages, Hkv, 2, page, D]
+    (keys, values), NaN in unused slots; returns cache, block table."""
+    S, L, Hkv, D = k.shape
+    kv = torch.full((n_pages, Hkv, 2, page, D), float("nan"))
+    table = perm[: S * -(-L // page)].view(S, -1)
+    for s in range(S):
+        for t in range(L):
+            kv[table[s, t // page], :, 0, t % page] = k[s, t]
+            kv[table[s, t // page], :, 1, t % page] = v[s, t]
+    return kv, table
+
+
+def test_attention_paged_equals_dense_for_every_split(rng):
+    """Decode, chunked prefill and whole prefill over a paged NaN-filled cache give the
+    bits of the Triton dense (trainer) attention, row for row."""
+    S, L, H, Hkv, D, page = 3, BLOCK + 7, 4, 2, 16, 2 * BLOCK
+    q, k, v = _qkv(rng, S, L, H, Hkv, D)
+    dense = attn.attention_dense(q, k, v, 0.25)
+    kv, table = _paged_cache(k, v, page, 8, torch.randperm(8, generator=rng))
+    for t in (0, BLOCK - 1, BLOCK, L - 1):
+        spans = [(t, t + 1), (max(0, t - 5), t + 1), (0, t + 1)]
+        qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
+        qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
+        seq_lens = torch.tensor([b for _, b in spans])
+        out = attn.attention_paged(qs, kv, qsl, seq_lens, table, 0.25)
+        for s, (a, b) in enumerate(spans):
+            assert torch.equal(out[qsl[s] : qsl[s + 1]], dense[s, a:b]), (t, s)
