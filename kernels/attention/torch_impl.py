@@ -27,17 +27,18 @@ BLOCK = 32
 ROW_MULTIPLE = 8
 
 
-def _blocked_core(q, k_blocks, v_blocks, q_pos, kv_len, scale):
-    """q [S, Hkv, R, D]; k/v_blocks [S, Hkv, NB, BLOCK, D]; q_pos [S, R] (-1 = pad row);
-    kv_len [S]. All fp32. Returns [S, Hkv, R, D]."""
-    NB = k_blocks.shape[2]
+def _blocked_core(q, kt_blocks, v_blocks, q_pos, kv_len, scale):
+    """q [S, Hkv, R, D]; kt_blocks [S, Hkv, NB, D, BLOCK] (keys TRANSPOSED, contiguous);
+    v_blocks [S, Hkv, NB, BLOCK, D]; q_pos [S, R] (-1 = pad row); kv_len [S]. All fp32.
+    Returns [S, Hkv, R, D].
+
+    k^T must be contiguous: passed as a transposed view, MKL changed a row's bits with
+    the row count at D = 256 (and at R = 2..5 for D = 128); contiguous it did not."""
+    NB = kt_blocks.shape[2]
     kpos = torch.arange(NB * BLOCK, device=q.device).view(NB, BLOCK)
     in_cache = kpos[None] < kv_len[:, None, None]  # [S, NB, BLOCK]
     valid = (kpos[None, :, None, :] <= q_pos[:, None, :, None]) & in_cache[:, :, None, :]  # [S, NB, R, BLOCK]
-    # k^T made contiguous: with a transposed view MKL changed a row's bits with the row
-    # count at D = 256 (and at R = 2..5 for D = 128); contiguous operands did not.
-    kt = k_blocks.transpose(-1, -2).contiguous()
-    s = torch.matmul(q[:, :, None], kt) * scale  # [S, Hkv, NB, R, BLOCK]
+    s = torch.matmul(q[:, :, None], kt_blocks) * scale  # [S, Hkv, NB, R, BLOCK]
     s = torch.where(valid[:, None], s, float("-inf"))
     m = s.amax(-1).amax(2)  # [S, Hkv, R]
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with nothing visible (padding)
@@ -76,16 +77,17 @@ def _dense_forward(q, k, v, scale):
     nb = -(-L // BLOCK)
     pad = nb * BLOCK - L
 
-    def blocks(t):
-        t = t.float()
+    def blocks(t, transpose):  # [B, L, Hkv, D] -> fp32 [B, Hkv, NB, BLOCK, D] (or [.., D, BLOCK])
         if pad:
             t = torch.cat([t, t.new_zeros(B, pad, hkv, D)], 1)
-        return t.view(B, nb, BLOCK, hkv, D).permute(0, 3, 1, 2, 4)
+        t = t.view(B, nb, BLOCK, hkv, D).permute(0, 3, 1, 4, 2) if transpose else \
+            t.view(B, nb, BLOCK, hkv, D).permute(0, 3, 1, 2, 4)
+        return torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
 
     q_pos = torch.arange(L, device=q.device).expand(B, L)
     rows, pos = _to_rows(q, q_pos, hkv)
     kv_len = torch.full((B,), L, device=q.device, dtype=torch.long)
-    out = _blocked_core(rows, blocks(k), blocks(v), pos, kv_len, scale)
+    out = _blocked_core(rows, blocks(k, True), blocks(v, False), pos, kv_len, scale)
     return _from_rows(out, B, L, H, D, hkv, q.dtype)
 
 
@@ -154,10 +156,12 @@ def attention_paged(
     # Gather pages (one contiguous index for keys and values), then one fp32 copy into
     # the [2, S, Hkv, NB, BLOCK, D] layout the core reads.
     kv = kv_cache[block_table[:, :n_pages].long()]  # [S, n_pages, Hkv, 2, page, D]
-    kv32 = torch.empty((2, S, hkv, n_pages, page, D), dtype=torch.float32, device=q.device)
-    kv32.copy_(kv.permute(3, 0, 2, 1, 4, 5))
-    kv32 = kv32.view(2, S, hkv, n_pages * page // BLOCK, BLOCK, D)[:, :, :, :nb]
-    kb, vb = kv32[0], kv32[1]
+    kv = kv.view(S, n_pages, hkv, 2, page // BLOCK, BLOCK, D)
+    nbp = n_pages * page // BLOCK
+    kt = kv[:, :, :, 0].permute(0, 2, 1, 3, 5, 4)  # [S, Hkv, n_pages, page/BLOCK, D, BLOCK]
+    kb = torch.empty(kt.shape, dtype=torch.float32, device=q.device).copy_(kt).view(S, hkv, nbp, D, BLOCK)[:, :, :nb]
+    vv = kv[:, :, :, 1].permute(0, 2, 1, 3, 4, 5)  # [S, Hkv, n_pages, page/BLOCK, BLOCK, D]
+    vb = torch.empty(vv.shape, dtype=torch.float32, device=q.device).copy_(vv).view(S, hkv, nbp, BLOCK, D)[:, :, :nb]
     beyond = torch.arange(nb * BLOCK, device=q.device)[None, :] >= seq_lens[:, None]  # [S, nb*BLOCK]
     vb.masked_fill_(beyond.view(S, 1, nb, BLOCK, 1), 0.0)  # uninitialised slots -> exact zeros
 
