@@ -62,12 +62,92 @@ class ParityConfig:
     _choices = {"mode": ("exact", "stock")}
 
 
+# -- sections TorchTitan owns: TorchTitan's names and keys (the subset titan_rl drives) --
+@dataclass
+class TrainingConfig:
+    steps: int = 60
+    max_norm: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class OptimizerConfig:
+    """One catch-all parameter group (TorchTitan's default_adamw)."""
+    name: str = "AdamW"
+    lr: float = 1e-3
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+
+    _choices = {"name": ("AdamW", "Adam")}
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 0
+    decay_ratio: float = 0.0  # 0 = constant after warm-up
+    decay_type: str = "linear"
+    min_lr_factor: float = 0.0
+
+    _choices = {"decay_type": ("linear", "sqrt", "cosine")}
+
+
+@dataclass
+class ParallelismConfig:
+    data_parallel_shard_degree: int = -1  # -1 = all ranks
+    tensor_parallel_degree: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = True
+    interval: int = 10
+    folder: str = "checkpoint"
+    keep_latest_k: int = 2
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 1
+    enable_tensorboard: bool = False
+
+
+# -- titan_rl's own RL sections --------------------------------------------------------
+@dataclass
+class AlgorithmConfig:
+    group_size: int = 8
+    prompts_per_step: int = 8  # per rank
+    updates_per_batch: int = 1
+    clip_eps: float = 0.2  # 0 = no PPO clipping
+    advantage_scale: str = "std"
+    loss_agg: str = "token_mean"
+    sft_steps: int = 40  # supervised warm-up on the task's format before RL
+    sft_batch: int = 64
+
+    _choices = {"advantage_scale": ("std", "none"), "loss_agg": ("token_mean", "seq_mean")}
+
+
+@dataclass
+class TaskConfig:
+    name: str = "digit_reverse"  # a built-in short name or "package.module:Class"
+    kwargs: dict = field(default_factory=dict)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
 
 def _nearest(name: str, allowed) -> str:
@@ -82,6 +162,10 @@ def _check_type(path: str, value, tp):
         if not isinstance(value, list):
             raise ConfigError(f"{path} = {value!r}: expected a list of {inner.__name__}")
         return [_check_type(f"{path}[{i}]", v, inner) for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} = {value!r}: expected a table")
+        return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
@@ -130,9 +214,27 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampling.temperature = {s.temperature}: must be > 0 (greedy has no log-prob ratio to study)")
     if s.top_k < 0:
         raise ConfigError(f"sampling.top_k = {s.top_k}: must be >= 0 (0 = off)")
+    a = cfg.algorithm
+    for key in ("group_size", "prompts_per_step", "updates_per_batch", "sft_batch"):
+        if getattr(a, key) < 1:
+            raise ConfigError(f"algorithm.{key} = {getattr(a, key)}: must be >= 1")
+    if a.group_size < 2:
+        raise ConfigError(f"algorithm.group_size = {a.group_size}: GRPO needs >= 2 completions per prompt")
+    if a.sft_steps < 0 or a.clip_eps < 0:
+        raise ConfigError("algorithm.sft_steps and algorithm.clip_eps must be >= 0")
+    if cfg.training.steps < 1:
+        raise ConfigError(f"training.steps = {cfg.training.steps}: must be >= 1")
+    if cfg.parallelism.tensor_parallel_degree < 1:
+        raise ConfigError(f"parallelism.tensor_parallel_degree = {cfg.parallelism.tensor_parallel_degree}: must be >= 1")
+    if cfg.checkpoint.interval < 1:
+        raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval}: must be >= 1")
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
+
+
+def validate_parity(cfg: Config) -> None:
+    p, s = cfg.parity, cfg.sampling
     if p.prompt_len_max + s.max_tokens > cfg.rollout.max_model_len:
         raise ConfigError(f"parity.prompt_len_max + sampling.max_tokens = {p.prompt_len_max + s.max_tokens} exceeds "
                           f"rollout.max_model_len = {cfg.rollout.max_model_len}")
@@ -175,6 +277,8 @@ def to_toml(cfg: Config) -> str:
 
 
 def _toml_value(v):
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):

@@ -194,6 +194,7 @@ def main(argv=None) -> int:
     args, extra = ap.parse_known_args(argv)
     try:
         cfg = config_mod.load(args.config, list(args.overrides) + extra)
+        config_mod.validate_parity(cfg)
     except config_mod.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,387 @@
+"""RLTrainer: TorchTitan's Trainer with an RL step (see titan_rl/train.py for the flow).
+
+TorchTitan owns: model build + parallelize (our ModelSpec), optimizer, LR schedule,
+gradient clipping, DCP checkpoints (save every `checkpoint.interval`, resume on relaunch),
+the step loop. We override only `train_step`. Everything random is a pure function of
+(training.seed, step, rank), so a run resumed from a checkpoint replays the same
+prompts and the same sampling seeds and logs the same metrics as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_rl.titan import cpu_compat  # noqa: F401  (CPU shims before torchtitan imports)
+
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from titan_rl.algorithms import PGLossConfig, group_advantages, policy_gradient_loss  # noqa: E402
+from titan_rl.checkpoint import checkpoint_fingerprint  # noqa: E402
+from titan_rl.config import Config  # noqa: E402
+from titan_rl.kernels import log_softmax_fp32  # noqa: E402
+from titan_rl.registry import get_architecture  # noqa: E402
+from titan_rl.tasks import load_task  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# -- TorchTitan components the Trainer insists on building; RL data comes from the task --
+class _NullTokenizer(BaseTokenizer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        vocab_size: int = 0
+
+    def __init__(self, config, tokenizer_path=None, **kw):
+        super().__init__()
+        self.n = config.vocab_size
+
+    def encode(self, text, **kw):
+        raise NotImplementedError("RL prompts come from the task's tokenizer")
+
+    def decode(self, ids, **kw):
+        raise NotImplementedError
+
+    def get_vocab_size(self):
+        return self.n
+
+
+class _StepLoader(BaseDataLoader):
+    """Never iterated: prompts are a pure function of (seed, step, rank)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        pass
+
+    def __init__(self, config, **kw):
+        pass
+
+    def __iter__(self):
+        while True:
+            yield {}, torch.zeros(1, 1, dtype=torch.long)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _seed(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = (h * 1_000_003 + int(p)) % (2**31 - 1)
+    return h
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _pad_batch(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    L = max(map(len, seqs))
+    out = torch.full((len(seqs), L), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+
+    from titan_rl.titan.spec import model_spec
+
+    spec = model_spec(cfg.model.name, cfg.model.flavor, "exact", init_seed=cfg.model.seed,
+                      init_std=cfg.model.init_std)
+    o = cfg.optimizer
+    optimizer = default_adamw(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    optimizer.param_groups[0].optimizer_name = o.name
+    c = cfg.checkpoint
+    config = Trainer.Config(
+        model_spec=spec,
+        hf_assets_path=run_dir,
+        dump_folder=run_dir,
+        tokenizer=_NullTokenizer.Config(vocab_size=spec.model.arch_config().vocab_size),
+        dataloader=_StepLoader.Config(),
+        loss=CrossEntropyLoss.Config(),
+        optimizer=optimizer,
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=cfg.lr_scheduler.warmup_steps, decay_ratio=cfg.lr_scheduler.decay_ratio,
+            decay_type=cfg.lr_scheduler.decay_type, min_lr_factor=cfg.lr_scheduler.min_lr_factor),
+        training=TrainingConfig(local_batch_size=1, seq_len=cfg.rollout.max_model_len, steps=cfg.training.steps,
+                                max_norm=cfg.training.max_norm, mixed_precision_param=cfg.model.dtype),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=cfg.parallelism.data_parallel_shard_degree,
+                                      tensor_parallel_degree=cfg.parallelism.tensor_parallel_degree),
+        checkpoint=CheckpointManager.Config(enable=c.enable, interval=c.interval, folder=c.folder,
+                                            keep_latest_k=c.keep_latest_k, last_save_model_only=False),
+        metrics=MetricsProcessor.Config(log_freq=cfg.metrics.log_freq,
+                                        enable_tensorboard=cfg.metrics.enable_tensorboard),
+        activation_checkpoint=None,
+    )
+    cpu_compat.trainer_overrides(config)
+    return config
+
+
+class RLTrainer(Trainer):
+    def __init__(self, config: Trainer.Config, rl: Config, run_dir: str):
+        self.rl, self.run_dir = rl, run_dir
+        self.task = load_task(rl.task.name, **rl.task.kwargs)
+        super().__init__(config)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engine = None
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self._resumed_checked = False
+        tok = self.task.tokenizer
+        vocab = self.model_parts[0].cfg.vocab_size
+        if tok.vocab_size > vocab:
+            raise ValueError(f"task {rl.task.name!r} needs {tok.vocab_size} token ids; model vocab_size is {vocab}")
+
+    # -- helpers ---------------------------------------------------------------------
+    @property
+    def model(self):
+        return self.model_parts[0]
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        dtype = DTYPES[self.rl.model.dtype]
+        return {n: _full(p).detach().to(dtype).contiguous() for n, p in self.model.named_parameters()}
+
+    def _optimizer_step(self) -> float:
+        grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), self.rl.training.max_norm,
+                                               foreach=True, pp_mesh=None, ep_enabled=False)
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        return float(grad_norm)
+
+    def _token_logprobs(self, batch: torch.Tensor) -> torch.Tensor:
+        """log pi of batch[:, 1:] given the prefix: [B, L-1] (fp32)."""
+        logp = log_softmax_fp32(self.model(batch))
+        return logp[:, :-1].gather(-1, batch[:, 1:, None])[..., 0]
+
+    def _all_mean(self, x: float) -> float:
+        if self.world == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / self.world
+
+    def _all_max(self, x: float) -> float:
+        if self.world == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    # -- engine ------------------------------------------------------------------------
+    def _make_engine(self):
+        from safetensors.torch import save_file
+
+        from titan_rl.vllm.engine import make_llm
+
+        spec = get_architecture(self.rl.model.name)
+        folder = os.path.join(self.run_dir, f"engine_weights_rank{self.rank}")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(spec.config_to_hf(self.model.cfg, spec.vllm_architecture), f)
+        save_file(self._full_state(), os.path.join(folder, "model.safetensors"))
+        r, a = self.rl.rollout, self.rl.algorithm
+        self.engine = make_llm(folder, arch=self.rl.model.name, dtype=self.rl.model.dtype, seed=self.rl.training.seed,
+                               kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
+                               max_num_seqs=max(r.max_num_seqs, a.prompts_per_step * a.group_size),
+                               enable_prefix_caching=r.enable_prefix_caching)
+
+    def sync_weights(self) -> bool:
+        """Trainer weights -> engine (prefix cache reset); returns checksum equality."""
+        from titan_rl.vllm.engine import engine_model, update_weights
+
+        state = self._full_state()
+        update_weights(self.engine, state)
+        engine_state = {n: p.detach() for n, p in engine_model(self.engine).named_parameters() if n in state}
+        same = checkpoint_fingerprint(state) == checkpoint_fingerprint(engine_state)
+        if not same:
+            raise RuntimeError("weight sync failed: engine and trainer weight checksums differ")
+        return same
+
+    # -- the step ------------------------------------------------------------------------
+    def train_step(self, data_iterator):
+        if not self._resumed_checked:
+            self._truncate_metrics()
+            self._resumed_checked = True
+        t0 = time.perf_counter()
+        self.model.train()
+        if self.step <= self.rl.algorithm.sft_steps:
+            m = self._sft_step()
+        else:
+            m = self._rl_step()
+        m["step"] = self.step
+        m["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        m["step_seconds"] = time.perf_counter() - t0
+        self._log(m)
+
+    def _sft_step(self) -> dict:
+        a, tok = self.rl.algorithm, self.task.tokenizer
+        pairs = self.task.sft_pairs(a.sft_batch, seed=_seed(self.rl.training.seed, 1, self.step, self.rank))
+        batch = _pad_batch([p + t for p, t in pairs], tok.pad_id)
+        mask = torch.zeros(batch.shape[0], batch.shape[1] - 1, dtype=torch.bool)
+        for i, (p, t) in enumerate(pairs):
+            mask[i, len(p) - 1 : len(p) - 1 + len(t)] = True
+        t0 = time.perf_counter()
+        logp = self._token_logprobs(batch)
+        loss = -(logp * mask).sum() / mask.sum()
+        loss.backward()
+        grad_norm = self._optimizer_step()
+        return {"phase": "sft", "loss": self._all_mean(float(loss)), "grad_norm": grad_norm,
+                "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
+
+    def _rollout(self):
+        from vllm import SamplingParams
+
+        if self.engine is None:
+            self._make_engine()
+        a, s = self.rl.algorithm, self.rl.sampling
+        examples = self.task.sample(a.prompts_per_step, seed=_seed(self.rl.training.seed, 2, self.step, self.rank))
+        reqs, params = [], []
+        for i, ex in enumerate(examples):
+            for g in range(a.group_size):
+                reqs.append({"prompt_token_ids": list(ex.prompt_ids)})
+                params.append(SamplingParams(
+                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
+                    stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0,
+                    seed=_seed(self.rl.training.seed, 3, self.step, self.rank, i * a.group_size + g)))
+        t0 = time.perf_counter()
+        outs = self.engine.generate(reqs, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        rollouts = []
+        for j, out in enumerate(outs):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            mu = [lp[t].logprob for t, lp in zip(toks, c.logprobs)]
+            rollouts.append((examples[j // a.group_size], toks, mu))
+        return rollouts, dt
+
+    def _rl_step(self) -> dict:
+        a, tok = self.rl.algorithm, self.task.tokenizer
+        rollouts, t_roll = self._rollout()
+        rewards = torch.tensor([self.task.reward(ex, toks) for ex, toks, _ in rollouts], dtype=torch.float32)
+        adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
+        seqs = [list(ex.prompt_ids) + toks for ex, toks, _ in rollouts]
+        batch = _pad_batch(seqs, tok.pad_id)
+        B, T = batch.shape[0], batch.shape[1] - 1
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        mu = torch.zeros(B, T, dtype=torch.float32)
+        for i, (ex, toks, m) in enumerate(rollouts):
+            P = len(ex.prompt_ids)
+            mask[i, P - 1 : P - 1 + len(toks)] = True
+            mu[i, P - 1 : P - 1 + len(toks)] = torch.tensor(m, dtype=torch.float32)
+        loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
+        t0 = time.perf_counter()
+        metrics: dict = {}
+        for k in range(a.updates_per_batch):
+            logp = self._token_logprobs(batch)
+            if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
+                metrics.update(self._mismatch(logp.detach()[mask].double(), mu[mask].double()))
+            loss, stats = policy_gradient_loss(logp, mu, adv, mask, loss_cfg)
+            loss.backward()
+            grad_norm = self._optimizer_step()
+        t_train = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        same = self.sync_weights()
+        n_tok = int(mask.sum())
+        metrics.update({
+            "phase": "rl",
+            "reward_mean": self._all_mean(float(rewards.mean())),
+            "response_length": self._all_mean(n_tok / B),
+            "loss": self._all_mean(float(loss)),
+            "grad_norm": grad_norm,
+            "clip_fraction": self._all_mean(stats["clip_fraction"]),
+            "weights_checksum_equal": same,
+            "rollout_tokens_per_s": n_tok / t_roll,
+            "train_tokens_per_s": batch.numel() * a.updates_per_batch / t_train,
+            "weight_sync_seconds": time.perf_counter() - t0,
+        })
+        return metrics
+
+    def _mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
+        d = pi - mu
+        k3 = torch.exp(d) - d - 1
+        return {
+            "bitwise_fraction": self._all_mean(float((d == 0).double().mean())),
+            "max_abs_dlogp": self._all_max(float(d.abs().max())),
+            "mean_abs_dlogp": self._all_mean(float(d.abs().mean())),
+            "k3_mean": self._all_mean(float(k3.mean())),
+        }
+
+    # -- metrics -------------------------------------------------------------------------
+    def _truncate_metrics(self):
+        """On resume, drop lines for steps the restored checkpoint has not reached."""
+        if self.rank != 0 or not os.path.exists(self.metrics_path):
+            return
+        with open(self.metrics_path) as f:
+            keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < self.step]
+        with open(self.metrics_path, "w") as f:
+            f.writelines(keep)
+
+    def _log(self, m: dict) -> None:
+        if self.rank != 0:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if m["phase"] == "sft":
+            line = f"step {m['step']:4d}/{self.rl.training.steps} sft  loss {m['loss']:.4f}"
+        else:
+            line = (f"step {m['step']:4d}/{self.rl.training.steps} rl   reward {m['reward_mean']:.3f}  "
+                    f"len {m['response_length']:.1f}  loss {m['loss']:+.4f}  max|dlogp| {m['max_abs_dlogp']:.3g}  "
+                    f"bitwise {m['bitwise_fraction']:.3f}  rollout {m['rollout_tokens_per_s']:.0f} tok/s")
+        print(line, flush=True)
+        logger = getattr(self.metrics_processor, "logger", None)
+        if logger is not None:
+            logger.log({k: float(v) for k, v in m.items() if isinstance(v, (int, float))}, m["step"])
+
+
+def run(cfg: Config, run_dir: str) -> int:
+    if cfg.model.dtype != "float32":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            raise SystemExit(
+                f"model.dtype = {cfg.model.dtype!r} needs FSDP mixed precision (torchrun with >1 rank) so the "
+                "trainer computes in the engine's dtype; use model.dtype = 'float32' for a single process")
+    if "LOCAL_RANK" not in os.environ:  # a plain `python -m titan_rl.train`: a world of one
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.makedirs(run_dir, exist_ok=True)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    trainer = RLTrainer(build_titan_config(cfg, run_dir), cfg, run_dir)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def comparable(m: dict) -> dict:
+    """A metrics line without wall-clock fields (for resume-equality checks)."""
+    return {k: v for k, v in m.items() if not (k.endswith("_seconds") or k.endswith("_per_s"))}

@@ -1,0 +1,61 @@
+"""The RL trainer: TorchTitan trains, vLLM (in-process, same model definition) samples.
+
+    python -m titan_rl.train --config train_configs/rl_debug.toml [--run-dir DIR] [--section.key=value ...]
+    torchrun --nproc_per_node=N -m titan_rl.train --config ... (FSDP over N ranks)
+    python -m titan_rl.train --config ... --print-config
+
+One step (RLTrainer.train_step, inside TorchTitan's Trainer.train loop, which owns the
+step counter, DCP checkpoints, optimizer, LR schedule and metrics processor):
+  1. rollout: this rank's prompts (a pure function of seed, step and rank), `group_size`
+     completions each, from the in-process vLLM engine; the sampler's log-probs are mu.
+  2. rewards -> group-normalised advantages (GRPO).
+  3. trainer forward at the rollout's weights -> pi; mismatch pi vs mu is measured here,
+     before any update (so it is engine-vs-trainer, not policy lag).
+  4. `updates_per_batch` optimizer steps on the PG loss (ratio uses mu).
+  5. weight sync into the engine (prefix cache reset) and a checksum proving both hold
+     the same weights. Metrics: RUN_DIR/metrics.jsonl (one line per step).
+The first `algorithm.sft_steps` steps are a supervised warm-up on the task's format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+
+
+def main(argv=None) -> int:
+    from titan_rl import config as config_mod
+
+    ap = argparse.ArgumentParser(prog="python -m titan_rl.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=None, help="TOML file (default: the built-in debug config)")
+    ap.add_argument("--run-dir", default=None, help="default: runs/<config name>")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args, overrides = ap.parse_known_args(argv)
+    path = args.config or str(Path(__file__).resolve().parent.parent / "train_configs" / "rl_debug.toml")
+    try:
+        cfg = config_mod.load(path, overrides)
+    except config_mod.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config_mod.to_toml(cfg))
+        return 0
+    run_dir = args.run_dir or os.path.join("runs", Path(path).stem)
+    from titan_rl.rl.trainer import run
+
+    return run(cfg, run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
