@@ -124,6 +124,7 @@ class AlgorithmConfig:
     loss_agg: str = "token_mean"
     sft_steps: int = 40  # supervised warm-up on the task's format before RL
     sft_batch: int = 64
+    rl_lr_scale: float = 0.1  # RL steps use optimizer.lr * rl_lr_scale (policy gradients are noisier than SFT)
 
     _choices = {"advantage_scale": ("std", "none"), "loss_agg": ("token_mean", "seq_mean")}
 

@@ -145,6 +145,7 @@ class RLTrainer(Trainer):
         self.engine = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self._resumed_checked = False
+        self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
         tok = self.task.tokenizer
         vocab = self.model_parts[0].cfg.vocab_size
         if tok.vocab_size > vocab:
@@ -223,12 +224,14 @@ class RLTrainer(Trainer):
             self._resumed_checked = True
         t0 = time.perf_counter()
         self.model.train()
+        self._set_phase_lr()
+        lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
         if self.step <= self.rl.algorithm.sft_steps:
             m = self._sft_step()
         else:
             m = self._rl_step()
         m["step"] = self.step
-        m["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        m["lr"] = lr
         m["step_seconds"] = time.perf_counter() - t0
         self._log(m)
 
@@ -272,6 +275,16 @@ class RLTrainer(Trainer):
             mu = [lp[t].logprob for t, lp in zip(toks, c.logprobs)]
             rollouts.append((examples[j // a.group_size], toks, mu))
         return rollouts, dt
+
+    def _set_phase_lr(self) -> None:
+        """LR for this step = configured base x phase scale x schedule(step), recomputed
+        from scratch every step: TorchTitan checkpoints only the schedule's step count
+        (not base_lrs), so nothing here may depend on state a resume would lose."""
+        scale = self.rl.algorithm.rl_lr_scale if self.step > self.rl.algorithm.sft_steps else 1.0
+        for sched, base0 in zip(self.lr_schedulers.schedulers, self._base_lrs):
+            sched.base_lrs = [b * scale for b in base0]
+            for group, lr in zip(sched.optimizer.param_groups, sched.get_lr()):
+                group["lr"] = lr
 
     def _rl_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
