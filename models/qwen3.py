@@ -12,19 +12,27 @@ the same arithmetic.
 
 `kernels = "exact"` uses the batch-invariant kernels; `"stock"` plain torch
 (F.linear, SDPA) for measuring what exactness costs and what it removes.
+
+`tp_leaves = L > 0` (exact mode only) computes the column-parallel linears (q/k/v/gate/up)
+as L fixed column blocks and the row-parallel ones (o/down) as L K-leaves summed by a
+fixed fp32 tree (kernels/matmul/torch_impl.py). The trainer's tensor-parallel layers
+compute the same pieces on any TP degree dividing L (titan_rl/titan/tp_linear.py), so
+trainer TP = 1, 2, ..., L and the rollout engine (which builds this model from the
+config.json key "titan_tp_leaves") give the same bits. L = 0: one `linear` per layer.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_rl.kernels import attention_dense, linear, lm_head_logits, rms_norm
+from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -42,6 +50,9 @@ class Qwen3Config:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # 0, or L = a power of two dividing the column-/row-parallel widths: compute
+    # q/k/v/gate/up as L column blocks and o/down as L K-leaves (TP-invariant; exact mode).
+    tp_leaves: int = 0
 
     def validate(self) -> "Qwen3Config":
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -54,11 +65,26 @@ class Qwen3Config:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        L = self.tp_leaves
+        if L:
+            if L < 0 or L & (L - 1):
+                raise ValueError(f"model.tp_leaves = {L} must be 0 or a power of two")
+            widths = {
+                "num_attention_heads*head_dim": self.num_attention_heads * self.head_dim,
+                "num_key_value_heads*head_dim": self.num_key_value_heads * self.head_dim,
+                "intermediate_size": self.intermediate_size,
+            }
+            for name, n in widths.items():
+                if n % L:
+                    raise ValueError(f"model.tp_leaves = {L} must divide {name} = {n}")
+        elif L < 0:
+            raise ValueError(f"model.tp_leaves = {L} must be 0 or a power of two")
         return self
 
     def hf_config(self, architecture: str = "TitanQwen3ForCausalLM", dtype: str = "bfloat16") -> dict:
-        """config.json content that transformers parses as a Qwen3Config."""
-        return {
+        """config.json content that transformers parses as a Qwen3Config (plus
+        "titan_tp_leaves" when tp_leaves > 0, which transformers keeps as an attribute)."""
+        d = {
             "architectures": [architecture],
             "model_type": "qwen3",
             "vocab_size": self.vocab_size,
@@ -79,6 +105,9 @@ class Qwen3Config:
             "bos_token_id": 0,
             "eos_token_id": 1,
         }
+        if self.tp_leaves > 0:
+            d["titan_tp_leaves"] = self.tp_leaves
+        return d
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3Config":
@@ -97,6 +126,7 @@ class Qwen3Config:
             rope_theta=float(rope_theta),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
+            tp_leaves=int(d.get("titan_tp_leaves") or 0),
         ).validate()
 
 
@@ -131,14 +161,27 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 
 class Ops:
-    """The row-wise ops for one kernel mode. Exact = titan_rl.kernels; stock = plain torch."""
+    """The row-wise ops for one kernel mode. Exact = titan_rl.kernels; stock = plain torch.
 
-    def __init__(self, mode: str):
+    `linear_for(kind)`: the linear of a layer of that kind. "col" (column-parallel under
+    TP) and "row" (row-parallel) use the fixed pieces when tp_leaves > 0 (exact mode;
+    stock ignores tp_leaves); "plain" (LM head) always uses `linear`."""
+
+    def __init__(self, mode: str, tp_leaves: int = 0):
         if mode not in ("exact", "stock"):
             raise ValueError(f"kernels = {mode!r} is not allowed; use 'exact' or 'stock'")
         self.mode = mode
         self.linear = linear if mode == "exact" else F.linear
         self.rms_norm = rms_norm
+        self.tp_leaves = tp_leaves if mode == "exact" else 0
+
+    def linear_for(self, kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        L = self.tp_leaves
+        if kind == "col" and L:
+            return partial(linear_n_blocks, n_blocks=L)
+        if kind == "row" and L:
+            return partial(linear_k_leaves, k_leaves=L)
+        return self.linear
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -163,15 +206,21 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """nn.Linear's parameter layout (weight [out, in], no bias) over the kernel linear."""
+    """nn.Linear's parameter layout (weight [out, in], no bias) over the kernel linear.
+    `kind`: "col" (output columns split under TP), "row" (reduction dim split) or
+    "plain"; see Ops.linear_for."""
 
-    def __init__(self, d_in: int, d_out: int, ops: Ops):
+    KINDS = ("plain", "col", "row")
+
+    def __init__(self, d_in: int, d_out: int, ops: Ops, kind: str = "plain"):
         super().__init__()
+        if kind not in self.KINDS:
+            raise ValueError(f"Linear kind = {kind!r}; allowed: {self.KINDS}")
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
-        self.ops = ops
+        self.ops, self.kind = ops, kind
 
     def forward(self, x):
-        return self.ops.linear(x, self.weight)
+        return self.ops.linear_for(self.kind)(x, self.weight)
 
 
 class Attention(nn.Module):
@@ -179,10 +228,10 @@ class Attention(nn.Module):
         super().__init__()
         h, hkv, d, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.layer_idx, self.h, self.hkv, self.d, self.theta = layer_idx, h, hkv, d, cfg.rope_theta
-        self.q_proj = Linear(e, h * d, ops)
-        self.k_proj = Linear(e, hkv * d, ops)
-        self.v_proj = Linear(e, hkv * d, ops)
-        self.o_proj = Linear(h * d, e, ops)
+        self.q_proj = Linear(e, h * d, ops, "col")
+        self.k_proj = Linear(e, hkv * d, ops, "col")
+        self.v_proj = Linear(e, hkv * d, ops, "col")
+        self.o_proj = Linear(h * d, e, ops, "row")
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
 
@@ -199,9 +248,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Qwen3Config, ops: Ops):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops, "row")
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -232,7 +281,7 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: Qwen3Config, kernels: str = "exact"):
         super().__init__()
         self.cfg = cfg.validate()
-        self.ops = Ops(kernels)
+        self.ops = Ops(kernels, cfg.tp_leaves)
         self.model = Backbone(cfg, self.ops)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
         if cfg.tie_word_embeddings:

@@ -46,6 +46,17 @@ def build(tp_leaves: int = 0, meta: bool = False, **kw):
     return cfg.build().init_weights()
 
 
+def model_file(tp_leaves: int):
+    """The model file built directly (no TitanModel): what the rollout engine builds from
+    a config.json with titan_tp_leaves = tp_leaves."""
+    from dataclasses import replace as dc_replace
+
+    from titan_rl.models.qwen3 import FLAVORS
+    from titan_rl.models.qwen3 import build as build_qwen3
+
+    return build_qwen3(dc_replace(FLAVORS["debug"], tp_leaves=tp_leaves)).init_weights(SEED)
+
+
 def parallel_dims(dp_shard: int, tp: int) -> ParallelDims:
     pd = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
                       world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
@@ -154,10 +165,12 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
     pd = parallel_dims(dp_shard, tp)
     ref = build()            # the model file's own kernels
     ref8 = build(tp_leaves=8)  # same weights, fixed 8 column blocks / 8 K-leaves
+    direct8 = model_file(8)    # the model file itself, as the rollout engine builds it
     tok = tokens(ref.cfg.vocab_size)
     with torch.no_grad():
-        want, want8 = ref(tok), ref8(tok)
+        want, want8, direct = ref(tok), ref8(tok), direct8(tok)
     res["leaf_tree_vs_plain_maxdiff"] = maxdiff(want8, want)
+    res["titan_vs_model_file_equal"] = torch.equal(want8, direct)
 
     # 1. exact TP: tp_leaves = 8, eager-built then sharded.
     m = build(tp_leaves=8)
@@ -166,6 +179,7 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
         got = m(tok)
     res["tp_leaves_forward_equal"] = torch.equal(got, want8)
     res["tp_leaves_forward_maxdiff"] = maxdiff(got, want8)
+    res["tp_leaves_vs_model_file_equal"] = torch.equal(got, direct)
 
     # 2. meta build -> parallelize -> to_empty -> init_weights (the Trainer's order).
     mm = build(tp_leaves=8, meta=True)
@@ -188,7 +202,9 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
     parallelize_qwen3(mb, parallel_dims=pd)
     ref8b = build(tp_leaves=8).to(torch.bfloat16)
     with torch.no_grad():
-        res["tp_leaves_bf16_forward_equal"] = torch.equal(mb(tok), ref8b(tok))
+        got_b = mb(tok)
+        res["tp_leaves_bf16_forward_equal"] = torch.equal(got_b, ref8b(tok))
+        res["tp_leaves_bf16_vs_model_file_equal"] = torch.equal(got_b, model_file(8).to(torch.bfloat16)(tok))
 
     # 5. backward + optimizer step: gradients close to the unsharded model's.
     n_tok = tok[:, 1:].numel()

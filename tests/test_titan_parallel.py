@@ -5,7 +5,8 @@ assert on the JSON it writes).
 Exactness claimed and checked with torch.equal:
   * FSDP = 2 (fp32, and bf16 compute from fp32 masters), incl. TorchTitan's meta-init order;
   * TP = 2 and FSDP = 2 x TP = 2 with tp_leaves = 8 (fixed column blocks and K-leaf
-    tree), vs the unsharded model computing the same pieces (fp32 and bf16).
+    tree), vs the model file built directly from the same config (Qwen3Config.tp_leaves
+    = 8: what the rollout engine builds) and vs TitanModel at TP = 1 (fp32 and bf16).
 Not exact, and asserted as such: TP with tp_leaves = 0 (all-reduce of rank partials) is
 within 1e-4 of the model file's forward. Gradients/steps are compared with tolerances
 (their reduction order differs; only the forward must be bitwise).
@@ -65,14 +66,18 @@ def test_fsdp2_x_tp2_forward_is_bitwise_with_tp_leaves(tmp_path):
 
 
 def _check_tp(r: dict) -> None:
-    # Exact: 8 fixed column blocks / K-leaves, TP vs one process.
+    # Exact: 8 fixed column blocks / K-leaves, TP vs one process, and vs the model file
+    # itself computing its own leaf path (= the rollout engine's forward).
+    assert r["titan_vs_model_file_equal"]
     assert r["tp_leaves_forward_equal"], r["tp_leaves_forward_maxdiff"]
+    assert r["tp_leaves_vs_model_file_equal"]
+    assert r["tp_leaves_bf16_vs_model_file_equal"]
     assert r["tp_leaves_meta_init_forward_equal"]
     assert r["tp_leaves_bf16_forward_equal"]
     # NOT exact (documented): plain all-reduce TP vs the model file's single GEMM.
     assert r["tp_plain_forward_maxdiff"] < 1e-4
-    # The leaf tree itself differs from the model file's GEMM by rounding only: this gap
-    # is what the model file must close by computing the same pieces (docs/torchtitan.md).
+    # tp_leaves = 8 vs 0 differ by rounding only (another reduction order): tp_leaves must
+    # be the same in the trainer and in the engine's config.json (it is: one config).
     assert 0 < r["leaf_tree_vs_plain_maxdiff"] < 1e-4
     # Backward through TP (copy_to_tp / gather-tree / head-norm all-reduce) is right.
     assert r["tp_grad_maxdiff"] < 1e-5 * max(1.0, r["tp_grad_scale"])

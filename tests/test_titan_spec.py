@@ -18,7 +18,7 @@ from titan_rl.models.qwen3 import FLAVORS, build  # noqa: E402
 from titan_rl.titan.model import TitanModel  # noqa: E402
 from titan_rl.titan.spec import model_config, model_spec  # noqa: E402
 from titan_rl.titan.state_dict import TitanStateDictAdapter  # noqa: E402
-from titan_rl.titan.tp_linear import leaf_partials, linear_k_leaves, linear_n_blocks, tree_sum  # noqa: E402
+from titan_rl.kernels import leaf_partials, linear_k_leaves, linear_n_blocks, tree_sum  # noqa: E402
 
 SEED = 3
 
@@ -212,29 +212,42 @@ def test_leaf_linear_validation():
         linear_n_blocks(torch.randn(4, 96), torch.randn(100, 96), 8)
 
 
-def test_tp_leaves_model_is_close_not_equal_to_the_model_file(rng):
-    """tp_leaves=8 changes the row-parallel reduction order: close, and that is exactly
-    why the model file must adopt it before trainer TP == engine (docs/torchtitan.md)."""
-    from titan_rl.titan.model import KLeafLinear, NBlockLinear
+def test_tp_leaves_goes_into_the_model_file(rng):
+    """TitanModel.Config(tp_leaves=8) builds the model file with Qwen3Config.tp_leaves=8:
+    no re-classing, the same bits as the model file built directly (what the rollout
+    engine builds), and close to (not equal to) tp_leaves=0 (another reduction order)."""
+    from titan_rl.models.qwen3 import Linear
 
     m = model_config("qwen3", "debug", tp_leaves=8, init_seed=SEED).build().init_weights()
+    assert m.cfg.tp_leaves == 8 and m.ops.tp_leaves == 8
+    direct = build("debug", tp_leaves=8).init_weights(SEED)
     ref = build("debug").init_weights(SEED)
     layer = m.model.layers[0]
-    for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
-        assert isinstance(lin, KLeafLinear) and lin.tp_leaves == 8
-    for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                layer.mlp.gate_proj, layer.mlp.up_proj):
-        assert isinstance(lin, NBlockLinear)
-    assert not isinstance(m.lm_head, (KLeafLinear, NBlockLinear))
+    for lin, kind in ((layer.self_attn.o_proj, "row"), (layer.mlp.down_proj, "row"),
+                      (layer.self_attn.q_proj, "col"), (layer.self_attn.k_proj, "col"),
+                      (layer.self_attn.v_proj, "col"), (layer.mlp.gate_proj, "col"),
+                      (layer.mlp.up_proj, "col"), (m.lm_head, "plain")):
+        assert type(lin) is Linear and lin.kind == kind
     assert [n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()]
     tok = _tokens(rng, ref.cfg.vocab_size)
     with torch.no_grad():
-        a, b = m(tok), ref(tok)
-    assert torch.allclose(a, b, atol=1e-4, rtol=0)
+        a, b, c = m(tok), ref(tok), direct(tok)
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=1e-4, rtol=0)
     # gradients flow through the leaves
     a2 = m(tok)
     a2.float().square().mean().backward()
     assert m.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_tp_leaves_config_resolution():
+    cfg8 = replace(FLAVORS["debug"], tp_leaves=8)
+    assert model_config("qwen3", model_config=cfg8).arch_config().tp_leaves == 8  # the config's own value
+    assert model_config("qwen3", model_config=cfg8, tp_leaves=8).build().cfg.tp_leaves == 8
+    with pytest.raises(ValueError, match="conflicts"):
+        model_config("qwen3", model_config=cfg8, tp_leaves=4).build()
+    with pytest.raises(ValueError, match="tp_leaves = 3"):
+        model_config("qwen3", "debug", tp_leaves=3).build()
 
 
 # -- state-dict adapter --------------------------------------------------------------------

@@ -98,3 +98,29 @@ def test_print_config_shows_every_section(capsys):
     for section in ("[model]", "[task]", "[algorithm]", "[training]", "[optimizer]", "[checkpoint]", "[parallelism]"):
         assert section in out
     assert config.load(None, []).task.name == "digit_reverse"
+
+
+def test_torchrun_fsdp2_rl_steps_have_zero_mismatch(tmp_path):
+    """2 ranks under torchrun (gloo), FSDP over both, bf16 mixed precision: each rank's
+    engine and the sharded trainer agree bitwise at every RL step."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
+           str(tmp_path), "--model.dtype=bfloat16", "--training.steps=4", "--algorithm.sft_steps=1",
+           "--algorithm.prompts_per_step=2", "--algorithm.group_size=4", "--algorithm.sft_batch=8",
+           "--checkpoint.enable=false"]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
+    assert len(rl) == 3
+    for m in rl:
+        assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"]
+
+
+def test_single_process_bf16_is_refused_with_a_reason(tmp_path):
+    r = _train(tmp_path, ["--model.dtype=bfloat16"], timeout=120)
+    assert r.returncode != 0 and "needs FSDP mixed precision" in (r.stdout + r.stderr)

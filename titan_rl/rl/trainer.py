@@ -301,18 +301,27 @@ class RLTrainer(Trainer):
             mask[i, P - 1 : P - 1 + len(toks)] = True
             mu[i, P - 1 : P - 1 + len(toks)] = torch.tensor(m, dtype=torch.float32)
         loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
-        t0 = time.perf_counter()
         metrics: dict = {}
+        t = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         for k in range(a.updates_per_batch):
+            t0 = time.perf_counter()
             logp = self._token_logprobs(batch)
+            t1 = time.perf_counter()
             if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
                 metrics.update(self._mismatch(logp.detach()[mask].double(), mu[mask].double()))
             loss, stats = policy_gradient_loss(logp, mu, adv, mask, loss_cfg)
+            t2 = time.perf_counter()
             loss.backward()
+            t3 = time.perf_counter()
             grad_norm = self._optimizer_step()
-        t_train = time.perf_counter() - t0
+            t["forward"] += t1 - t0
+            t["backward"] += t3 - t2
+            t["optimizer"] += time.perf_counter() - t3
         t0 = time.perf_counter()
         same = self.sync_weights()
+        t["weight_sync"] = time.perf_counter() - t0
+        t["rollout"] = t_roll
+        t_train = t["forward"] + t["backward"] + t["optimizer"]
         n_tok = int(mask.sum())
         metrics.update({
             "phase": "rl",
@@ -324,7 +333,7 @@ class RLTrainer(Trainer):
             "weights_checksum_equal": same,
             "rollout_tokens_per_s": n_tok / t_roll,
             "train_tokens_per_s": batch.numel() * a.updates_per_batch / t_train,
-            "weight_sync_seconds": time.perf_counter() - t0,
+            **{f"time_{k}_seconds": v for k, v in t.items()},
         })
         return metrics
 

@@ -31,9 +31,11 @@ from torchtitan.protocols.model import BaseModel  # noqa: E402
 from titan_rl.registry import get_architecture  # noqa: E402
 
 # The TP plan per architecture: column-parallel linears (output columns split over TP
-# ranks) and row-parallel linears (reduction dim K split). With tp_leaves > 0 both kinds
-# compute fixed-shape pieces (titan_rl.titan.tp_linear) on every layout, TP = 1 included.
-# Another architecture names its own in ArchitectureSpec.extra["tp_plan"].
+# ranks) and row-parallel linears (reduction dim K split). With tp_leaves > 0 the model
+# file itself computes both kinds as fixed-shape pieces (its Linear kinds "col" / "row",
+# kernels.linear_n_blocks / linear_k_leaves) and the sharded layers compute the same
+# pieces (titan_rl.titan.tp_linear). Another architecture names its own plan in
+# ArchitectureSpec.extra["tp_plan"].
 TP_PLANS = {
     "qwen3": {
         "colwise": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
@@ -50,36 +52,12 @@ def tp_plan(arch_name: str) -> dict[str, tuple[str, ...]]:
     return plan
 
 
-class TPLeaves(nn.Module):
-    """Marker base of the re-classing mixins below (same parameter, `weight` [out, in])."""
-
-    tp_leaves: int = 0
-
-
-class NBlockLinear(TPLeaves):
-    """Column-parallel linear on one process: N in `tp_leaves` fixed column blocks."""
-
-    def forward(self, x):
-        from titan_rl.titan.tp_linear import linear_n_blocks
-
-        return linear_n_blocks(x, self.weight, self.tp_leaves)
-
-
-class KLeafLinear(TPLeaves):
-    """Row-parallel linear on one process: K in `tp_leaves` leaves summed by the fixed tree."""
-
-    def forward(self, x):
-        from titan_rl.titan.tp_linear import linear_k_leaves
-
-        return linear_k_leaves(x, self.weight, self.tp_leaves)
-
-
 _MIXED: dict[tuple[type, type], type] = {}
 
 
 def reclass(mod: nn.Module, mixin: type) -> None:
     """Give `mod` the forward of `mixin` (keeping its parameters and other methods);
-    a previous TPLeaves / parallel mixin is replaced, not stacked."""
+    a previous parallel mixin is replaced, not stacked."""
     base = type(mod)
     while base.__dict__.get("_titan_mixed", False):
         base = base.__bases__[1]
@@ -87,22 +65,6 @@ def reclass(mod: nn.Module, mixin: type) -> None:
     if key not in _MIXED:
         _MIXED[key] = type(f"{mixin.__name__}_{base.__name__}", (mixin, base), {"_titan_mixed": True})
     mod.__class__ = _MIXED[key]
-
-
-def _matches(name: str, suffixes) -> bool:
-    return any(name == s or name.endswith("." + s) for s in suffixes)
-
-
-def use_tp_leaves(model: nn.Module, plan: dict[str, tuple[str, ...]], tp_leaves: int) -> list[str]:
-    """Make the plan's linears compute fixed-shape pieces on one process. Returns their names."""
-    done = []
-    for name, mod in model.named_modules():
-        for kind, mixin in (("colwise", NBlockLinear), ("rowwise", KLeafLinear)):
-            if _matches(name, plan.get(kind, ())):
-                reclass(mod, mixin)
-                mod.tp_leaves = tp_leaves
-                done.append(name)
-    return done
 
 
 _TITAN_CLASSES: dict[type, type] = {}
@@ -130,33 +92,44 @@ class TitanModel(BaseModel):
         kernels: str = "exact"
         """'exact' (batch-invariant kernels) or 'stock' (plain torch)."""
         tp_leaves: int = 0
-        """0: every linear uses the model's own kernel (bitwise equal to the rollout
-        engine; TP > 1 is then close, not bitwise: row-parallel sums by all-reduce).
-        L > 0 (a power of two, a multiple of the TP degree): column-parallel linears run
-        as L fixed column blocks and row-parallel ones as L K-leaves summed by a fixed
-        tree, on every layout: bitwise equal across TP = 1, 2, 4, ... L; equal to the
-        engine only once the model file computes the same pieces (docs/torchtitan.md)."""
+        """Written into the architecture's config (its `tp_leaves` field; the model file
+        computes the pieces, and config.json carries it to the rollout engine).
+        L > 0 (a power of two, a multiple of the TP degree; exact kernels):
+        column-parallel linears run as L fixed column blocks and row-parallel ones as L
+        K-leaves summed by a fixed tree, on every layout: trainer TP = 1, 2, ..., L and
+        the engine give the same bits. 0: the architecture config's own value (0 by
+        default: one GEMM per linear; TP > 1 is then close, not bitwise)."""
         init_seed: int = 0
         init_std: float = 0.02
 
         def arch_config(self):
-            if self.model_config is not None:
-                return self.model_config
-            return get_architecture(self.arch).flavors[self.flavor]
+            """The architecture's config with `tp_leaves` applied (what build() builds)."""
+            cfg = self.model_config
+            if cfg is None:
+                cfg = get_architecture(self.arch).flavors[self.flavor]
+            if not self.tp_leaves:
+                return cfg
+            if not hasattr(cfg, "tp_leaves"):
+                raise ValueError(
+                    f"tp_leaves = {self.tp_leaves}: the {self.arch!r} config has no tp_leaves field "
+                    "(the model file must compute the leaf pieces itself, or the rollout engine "
+                    "would compute other bits)")
+            if cfg.tp_leaves not in (0, self.tp_leaves):
+                raise ValueError(f"tp_leaves = {self.tp_leaves} conflicts with model_config.tp_leaves "
+                                 f"= {cfg.tp_leaves}")
+            if cfg.tp_leaves != self.tp_leaves:
+                cfg = replace(cfg, tp_leaves=self.tp_leaves)
+                if hasattr(cfg, "validate"):
+                    cfg.validate()
+            return cfg
 
         def build(self, **kwargs):
             if kwargs:
                 raise TypeError(f"TitanModel.Config.build() takes no arguments, got {sorted(kwargs)}")
             arch = get_architecture(self.arch)
-            cfg = self.arch_config()
-            native = hasattr(cfg, "tp_leaves")  # the model file computes the pieces itself
-            if native and cfg.tp_leaves != self.tp_leaves:
-                cfg = replace(cfg, tp_leaves=self.tp_leaves)
-            model = arch.build(cfg, kernels=self.kernels)
+            model = arch.build(self.arch_config(), kernels=self.kernels)
             model.__class__ = _titan_class(type(model))
             model.titan_config = replace(self)
-            if self.tp_leaves and not native:
-                use_tp_leaves(model, tp_plan(self.arch), self.tp_leaves)
             return model
 
         def update_from_config(self, *, config, **kwargs) -> None:
@@ -172,7 +145,7 @@ class TitanModel(BaseModel):
             parallelism = getattr(config, "parallelism", None)
             tp = getattr(parallelism, "tensor_parallel_degree", 1) if parallelism else 1
             if tp > 1:
-                check_tp_degree(cfg, tp, self.tp_leaves)
+                check_tp_degree(cfg, tp, getattr(cfg, "tp_leaves", 0))
             compile_cfg = getattr(config, "compile", None)
             if compile_cfg is not None and getattr(compile_cfg, "enable", False):
                 raise ValueError(

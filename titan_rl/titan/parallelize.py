@@ -7,8 +7,10 @@ compile_config=..., ac_config=..., dump_folder=...)` (its parallelize_fn signatu
 Exactness, layout by layout (torch.equal of the forward logits vs one process):
   * FSDP (any degree): weights are all-gathered before use, so every GEMM sees the same
     values and shapes as the unsharded model: exact by construction.
-  * TP needs `tp_leaves = L > 0` (TitanModel.Config), which makes the unsharded model
-    compute the same fixed-shape pieces (titan_rl.titan.tp_linear):
+  * TP needs `tp_leaves = L > 0` in the model's config (Qwen3Config.tp_leaves, set by
+    TitanModel.Config.tp_leaves), with which the model file itself (unsharded: trainer
+    TP = 1 and the rollout engine) computes fixed-shape pieces; the sharded layers
+    compute the same pieces (titan_rl.titan.tp_linear), with the model's own L:
       - column-parallel q/k/v/gate/up (weight Shard(0)): L fixed column blocks, a rank
         holds L/t of them and issues the same GEMM calls;
       - row-parallel o/down (weight Shard(1)): L K-leaves, each rank sums its subtree,
@@ -112,20 +114,39 @@ def _decoder_layers(model: nn.Module):
     return model.get_submodule("model.layers")
 
 
+def model_tp_leaves(model: nn.Module) -> int:
+    """The leaf count the model file computes with: its config's tp_leaves in exact mode,
+    0 in stock mode (which ignores tp_leaves)."""
+    ops = getattr(model, "ops", None)
+    if ops is not None and hasattr(ops, "tp_leaves"):
+        return ops.tp_leaves
+    return getattr(getattr(model, "cfg", None), "tp_leaves", 0)
+
+
 def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
     """Shard q/k/v/gate/up by output rows (Shard(0)) and o/down by input columns
     (Shard(1)) on `tp_mesh`; every rank must hold the same full weights (or meta).
-    `tp_leaves` defaults to the model's TitanModel.Config.tp_leaves."""
+    The sharded layers use the model's own leaf count (`model_tp_leaves`); `tp_leaves`,
+    if given, must equal it (anything else would compute other bits than the model file
+    and the rollout engine)."""
     tp = tp_mesh.size()
     group = tp_mesh.get_group()
-    if tp_leaves is None:
-        tp_leaves = getattr(getattr(model, "titan_config", None), "tp_leaves", 0)
+    own = model_tp_leaves(model)
+    if tp_leaves is not None and tp_leaves != own:
+        raise ValueError(f"apply_tp(tp_leaves={tp_leaves}) differs from the model's tp_leaves = {own} "
+                         "(set it in the model config: TitanModel.Config.tp_leaves / Qwen3Config.tp_leaves)")
+    tp_leaves = own
     cfg = getattr(model, "cfg", None)
     if cfg is not None:
         check_tp_degree(cfg, tp, tp_leaves)
     if not tp_leaves:
         logger.warning("TP=%d with tp_leaves=0: logits are close to, not bitwise equal to, TP=1", tp)
     for layer in _decoder_layers(model):
+        for kind, paths in (("col", COLWISE), ("row", ROWWISE)):
+            for path in paths:
+                got = getattr(layer.get_submodule(path), "kind", kind)
+                if got != kind:
+                    raise ValueError(f"TP plan: {path} is {kind!r}-parallel but the model's Linear kind is {got!r}")
         for path in COLWISE:
             lin = layer.get_submodule(path)
             _shard_param(lin, "weight", tp_mesh, 0)

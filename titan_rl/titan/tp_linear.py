@@ -1,30 +1,20 @@
-"""Linears whose GEMM calls have FIXED shapes: the same bits for any TP degree.
+"""Tensor-parallel linears whose GEMM calls have FIXED shapes: the same bits for any TP degree.
 
-Column-parallel (q/k/v/gate/up: output columns split over ranks). The batch-invariant
-kernel pins the row count of each GEMM call, not N: a rank's call has N/t columns, and
-MKL/oneDNN pick blocking and thread splits from N, so a column's bits can change with
-the TP degree (measured: fp32 at K >= 1024 with 1 thread, bf16 at most Qwen3 sizes
-with 2 threads). `linear_n_blocks` cuts N into `n_blocks` equal column blocks, one call
-each; with TP = t a rank holds n_blocks/t whole blocks and issues the same calls.
+The single-process pieces live in the kernels (titan_rl.kernels: `linear_n_blocks`,
+`linear_k_leaves`, `leaf_partials`, `tree_sum`; the why is in
+kernels/matmul/torch_impl.py) and the model file uses them when its config has
+`tp_leaves = L > 0` (q/k/v/gate/up as L column blocks, o/down as L K-leaves), so the
+trainer at TP = 1 and the rollout engine already compute these pieces. This module adds
+the sharded forms for TP = t (t dividing L):
 
-Row-parallel. A row-parallel linear (o_proj, down_proj) splits the reduction dimension K over
-the TP ranks; summing the ranks' partial GEMMs (all-reduce) adds in another order than
-one GEMM over the whole K, so TP=2 logits differ from TP=1 in the last bits, and from
-the rollout engine's.
+  * column-parallel (weight_local = this rank's N/t output rows): L/t whole column
+    blocks, the same `linear` calls as those columns of `linear_n_blocks(x, w, L)`;
+  * row-parallel (x_local, weight_local = this rank's K/t share): the rank's L/t leaves
+    = one whole subtree, summed locally; the ranks all_gather their subtree sums and
+    every rank finishes the SAME fixed tree: equal to `linear_k_leaves(x, w, L)`.
 
-The fix (PLATFORM.md, "Tensor parallel"): cut K into `k_leaves` equal leaves, a number
-that does NOT depend on the TP degree (8 serves TP = 1, 2, 4, 8). Every leaf's partial
-product is one call of the batch-invariant kernel `linear` on a contiguous
-[rows, K/k_leaves] x [K/k_leaves, N] problem, upcast to fp32. The leaves are combined
-by a balanced pairwise tree: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)). With TP = t each rank
-owns k_leaves/t consecutive leaves = one whole subtree; it sums that subtree locally,
-the ranks all_gather their subtree sums and every rank finishes the SAME tree. A leaf
-is computed by the same call on the same values on every layout, and each tree node
-is the same fp32 addition, so TP = 1, 2, 4, 8 give identical bits.
-
-`linear_n_blocks` / `linear_k_leaves` are the single-process (TP = 1) forms. The
-rollout engine must call them for the same layers too, or the trainer's TP-invariant
-logits differ from the engine's (docs/torchtitan.md: the model file decides).
+Each leaf is computed by the same call on the same values on every layout, and each
+tree node is the same fp32 addition, so TP = 1, 2, 4, ..., L give identical bits.
 """
 
 from __future__ import annotations
@@ -32,63 +22,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titan_rl.kernels import linear
+from titan_rl.kernels import leaf_partials, linear, linear_k_leaves, linear_n_blocks, tree_sum
 
-K_LEAVES = 8  # also the default number of column blocks: serves TP = 1, 2, 4, 8
+__all__ = [
+    "K_LEAVES", "column_parallel_linear", "copy_to_tp", "leaf_partials", "linear_k_leaves",
+    "linear_n_blocks", "row_parallel_linear", "tree_sum",
+]
 
-
-def _check(k: int, k_leaves: int) -> None:
-    if k_leaves < 1 or k_leaves & (k_leaves - 1):
-        raise ValueError(f"k_leaves = {k_leaves} must be a power of two")
-    if k % k_leaves:
-        raise ValueError(f"K = {k} is not divisible by k_leaves = {k_leaves}")
-
-
-def tree_sum(parts: torch.Tensor) -> torch.Tensor:
-    """Balanced pairwise sum over dim 0 (length a power of two): level by level,
-    neighbours added elementwise. Elementwise adds are exact IEEE operations, so the
-    result depends only on the values and the (fixed) tree, never on the layout."""
-    n = parts.shape[0]
-    if n & (n - 1):
-        raise ValueError(f"tree_sum needs a power-of-two count, got {n}")
-    while parts.shape[0] > 1:
-        parts = parts[0::2] + parts[1::2]
-    return parts[0]
-
-
-def leaf_partials(x: torch.Tensor, weight: torch.Tensor, n_leaves: int) -> torch.Tensor:
-    """fp32 partial products of `n_leaves` equal K-slices: [n_leaves, *x.shape[:-1], N].
-
-    Each leaf is made contiguous before the GEMM, so a leaf's call sees the same
-    shapes and strides whether x holds all of K (TP = 1) or one rank's share."""
-    k = x.shape[-1]
-    _check(k, n_leaves)
-    kl = k // n_leaves
-    lead, n = x.shape[:-1], weight.shape[0]
-    xs = x.reshape(-1, n_leaves, kl).transpose(0, 1).contiguous()  # [L, M, kl]
-    ws = weight.reshape(n, n_leaves, kl).transpose(0, 1).contiguous()  # [L, N, kl]
-    parts = torch.stack([linear(xs[i], ws[i]).float() for i in range(n_leaves)])
-    return parts.reshape(n_leaves, *lead, n)
-
-
-def linear_n_blocks(x: torch.Tensor, weight: torch.Tensor, n_blocks: int = K_LEAVES) -> torch.Tensor:
-    """y = x @ weight^T computed as `n_blocks` calls of the kernel `linear`, one per block
-    of weight.shape[0] / n_blocks consecutive output columns. A column's bits then
-    depend only on its block, so a TP rank holding blocks [i, j) reproduces them."""
-    n = weight.shape[0]
-    if n_blocks < 1 or n % n_blocks:
-        raise ValueError(f"N = {n} is not divisible by n_blocks = {n_blocks}")
-    if n_blocks == 1:
-        return linear(x, weight)
-    t = n // n_blocks
-    return torch.cat([linear(x, weight[j * t:(j + 1) * t]) for j in range(n_blocks)], -1)
-
-
-def linear_k_leaves(x: torch.Tensor, weight: torch.Tensor, k_leaves: int = K_LEAVES) -> torch.Tensor:
-    """y = x @ weight^T with the reduction over K cut into `k_leaves` leaves summed by a
-    fixed fp32 tree; output in x's dtype. Equal, bit for bit, to `row_parallel_linear`
-    on any TP degree dividing k_leaves."""
-    return tree_sum(leaf_partials(x, weight, k_leaves)).to(x.dtype)
+K_LEAVES = 8  # a good default leaf count: serves TP = 1, 2, 4, 8
 
 
 class _GatherTreeSum(torch.autograd.Function):

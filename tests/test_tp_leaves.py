@@ -1,0 +1,172 @@
+"""tp_leaves in the model file: Qwen3Config.tp_leaves = L > 0 makes q/k/v/gate/up run as
+L fixed column blocks and o/down as L K-leaves summed by a fixed fp32 tree (the pieces
+the trainer's TP layers compute on any TP degree dividing L). Checked here, single
+process: batch invariance of that forward, the config round trip through config.json,
+validation, and the in-process vLLM engine (built from config.json) recording the
+same log-probs as the trainer-side model, bit for bit.
+(TP = 2 vs this model: tests/test_titan_parallel.py.)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from titan_rl.kernels import linear, linear_k_leaves, linear_n_blocks, log_softmax_fp32
+from titan_rl.models.qwen3 import FLAVORS, Linear, Qwen3Config, build
+
+L = 4
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _fresh_seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return seed
+
+
+def _model(tp_leaves: int, seed: int, dtype=torch.float32, kernels: str = "exact"):
+    cfg = replace(FLAVORS["debug"], tp_leaves=tp_leaves)
+    return build(cfg, kernels=kernels).init_weights(seed, 0.05).to(dtype).eval()
+
+
+# -- the model's leaf path ----------------------------------------------------------------
+
+def test_layers_use_their_kind():
+    m = _model(L, 0)
+    layer = m.model.layers[0]
+    kinds = {n: mod.kind for n, mod in m.named_modules() if isinstance(mod, Linear) and n.startswith("model.layers.0.")}
+    assert kinds == {
+        "model.layers.0.self_attn.q_proj": "col", "model.layers.0.self_attn.k_proj": "col",
+        "model.layers.0.self_attn.v_proj": "col", "model.layers.0.self_attn.o_proj": "row",
+        "model.layers.0.mlp.gate_proj": "col", "model.layers.0.mlp.up_proj": "col",
+        "model.layers.0.mlp.down_proj": "row",
+    }
+    assert m.lm_head.kind == "plain"
+    x = torch.randn(5, m.cfg.hidden_size)
+    w_col, w_row = layer.self_attn.q_proj.weight, layer.mlp.down_proj.weight
+    with torch.no_grad():
+        assert torch.equal(layer.self_attn.q_proj(x), linear_n_blocks(x, w_col, L))
+        h = torch.randn(5, m.cfg.intermediate_size)
+        assert torch.equal(layer.mlp.down_proj(h), linear_k_leaves(h, w_row, L))
+        assert torch.equal(m.lm_head(x), linear(x, m.lm_head.weight))
+
+
+def test_leaf_primitives_have_one_definition():
+    import titan_rl.kernels as K
+    from titan_rl.titan import tp_linear
+
+    for name in ("tree_sum", "leaf_partials", "linear_k_leaves", "linear_n_blocks"):
+        assert getattr(tp_linear, name) is getattr(K, name), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_alone_equals_row_in_batch(dtype):
+    seed = _fresh_seed()
+    m = _model(L, seed, DTYPES[dtype])
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, m.cfg.vocab_size, (5, 41), generator=g)
+    with torch.no_grad():
+        batch = m(tok)
+        for i in (0, 3):
+            assert torch.equal(m(tok[i:i + 1])[0], batch[i]), f"row {i}"
+        # a shorter prefix of a row (causal): its logits are the row's first positions
+        assert torch.equal(m(tok[1:2, :17])[0], batch[1, :17])
+    # tp_leaves changes the reduction order: close to tp_leaves = 0 (fp32; in bf16 the
+    # rounding of 4 layers of bf16 activations spreads further)
+    with torch.no_grad():
+        plain = _model(0, seed, DTYPES[dtype])(tok)
+    if dtype == "float32":
+        assert torch.allclose(batch, plain, atol=1e-4, rtol=0)
+    else:
+        assert (batch - plain).abs().mean() < 5e-2
+
+
+def test_stock_mode_ignores_tp_leaves():
+    seed = _fresh_seed()
+    a, b = _model(L, seed, kernels="stock"), _model(0, seed, kernels="stock")
+    assert a.ops.tp_leaves == 0
+    tok = torch.randint(0, a.cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(a(tok), b(tok))
+
+
+# -- config --------------------------------------------------------------------------------
+
+def test_config_round_trip():
+    cfg = replace(FLAVORS["small"], tp_leaves=8)
+    d = cfg.hf_config()
+    assert d["titan_tp_leaves"] == 8
+    assert Qwen3Config.from_hf(d) == cfg
+    assert "titan_tp_leaves" not in FLAVORS["small"].hf_config()  # only written when > 0
+    assert Qwen3Config.from_hf(FLAVORS["small"].hf_config()).tp_leaves == 0
+
+
+def test_config_round_trip_through_a_checkpoint_folder(tmp_path):
+    import json
+
+    from titan_rl.checkpoint import load_hf_folder, save_hf_folder
+
+    m = _model(L, 1)
+    save_hf_folder(m, str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["titan_tp_leaves"] == L
+    back = load_hf_folder(str(tmp_path), kernels="exact")
+    assert back.cfg.tp_leaves == L and back.ops.tp_leaves == L
+
+
+@pytest.mark.parametrize("value,needle", [
+    (3, "model.tp_leaves = 3 must be 0 or a power of two"),
+    (-2, "model.tp_leaves = -2 must be 0 or a power of two"),
+    (256, "model.tp_leaves = 256 must divide num_key_value_heads*head_dim = 128"),
+])
+def test_validation_names_key_and_value(value, needle):
+    with pytest.raises(ValueError, match=needle.replace("*", r"\*")):
+        replace(FLAVORS["debug"], tp_leaves=value).validate()
+    with pytest.raises(ValueError, match="model.tp_leaves"):
+        build("debug", tp_leaves=value)
+
+
+def test_validation_intermediate_and_heads():
+    with pytest.raises(ValueError, match=r"must divide intermediate_size = 770"):
+        Qwen3Config(intermediate_size=770, tp_leaves=4).validate()
+    with pytest.raises(ValueError, match=r"must divide num_attention_heads\*head_dim = 96"):
+        Qwen3Config(num_attention_heads=3, num_key_value_heads=1, head_dim=32, tp_leaves=64).validate()
+    with pytest.raises(ValueError, match="titan_tp_leaves|tp_leaves"):
+        Qwen3Config.from_hf({**FLAVORS["debug"].hf_config(), "titan_tp_leaves": 6})
+
+
+# -- the rollout engine builds the same model from config.json ------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from titan_rl.checkpoint import save_hf_folder
+    from titan_rl.vllm.engine import engine_model, make_llm
+
+    seed = _fresh_seed()
+    trainer = _model(L, seed, DTYPES[dtype])
+    folder = str(tmp_path / "w")
+    save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
+    llm = make_llm(folder, dtype=dtype, kv_cache_mib=64, max_model_len=256, max_num_seqs=8)
+    try:
+        assert engine_model(llm).cfg.tp_leaves == L  # built from config.json's titan_tp_leaves
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(2, trainer.cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 2, 90, 57, 7)]
+        params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        del llm
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        assert len(toks) == 8
+        mu = torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float64)
+        with torch.no_grad():
+            logp = log_softmax_fp32(trainer(torch.tensor([p + toks])))[0]
+        pi = logp[len(p) - 1: len(p) - 1 + len(toks)].gather(-1, torch.tensor(toks)[:, None])[:, 0].double()
+        assert torch.equal(pi, mu), (pi - mu).abs().max()
