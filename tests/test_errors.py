@@ -42,8 +42,13 @@ def test_config_unknown_key_bad_type_bad_value(tmp_path):
 
 
 def test_shipped_configs_load():
+    import glob
+
     for name in ("debug", "small"):
         cfg = config.load(f"train_configs/{name}.toml")
         assert cfg.model.flavor == name and cfg.sampling.top_p < 1.0
-        assert config.load(None, [f"--{k}" for k in []]) is not None
+        config.validate_parity(cfg)
+    for path in glob.glob("train_configs/*.toml"):
+        config.load(path)  # every shipped config is valid
+    assert config.load("train_configs/qwen3_0.6b.toml").model.checkpoint.endswith("Qwen3-0.6B")
     assert FLAVORS["debug"].vocab_size == 1024

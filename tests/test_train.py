@@ -124,3 +124,23 @@ def test_torchrun_fsdp2_rl_steps_have_zero_mismatch(tmp_path):
 def test_single_process_bf16_is_refused_with_a_reason(tmp_path):
     r = _train(tmp_path, ["--model.dtype=bfloat16"], timeout=120)
     assert r.returncode != 0 and "needs FSDP mixed precision" in (r.stdout + r.stderr)
+
+
+def test_starts_from_a_local_hf_checkpoint_folder(tmp_path):
+    """model.checkpoint = a local HF folder: TorchTitan loads it (HF names through our
+    state-dict adapter) and the engine starts from exactly those weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from titan_rl.checkpoint import save_hf_folder
+    from titan_rl.models.qwen3 import build
+
+    hf = tmp_path / "hf"
+    save_hf_folder(build("debug").init_weights(1234, 0.05), str(hf), dtype=torch.float32)
+    run = tmp_path / "run"
+    r = _train(run, [f"--model.checkpoint={hf}", "--algorithm.sft_steps=0", "--training.steps=1"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    src = load_file(str(hf / "model.safetensors"))
+    eng = load_file(str(run / "engine_weights_rank0" / "model.safetensors"))
+    assert src.keys() == eng.keys() and all(torch.equal(src[k], eng[k]) for k in src)
+    assert _metrics(run)[0]["max_abs_dlogp"] == 0.0

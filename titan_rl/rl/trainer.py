@@ -104,8 +104,17 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
 
     from titan_rl.titan.spec import model_spec
 
+    fields, initial_load = {}, {}
+    if cfg.model.checkpoint:  # a local HF folder: its config.json defines the model, TorchTitan loads it
+        cfg_path = os.path.join(cfg.model.checkpoint, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise SystemExit(f"model.checkpoint = {cfg.model.checkpoint!r}: no config.json in that folder")
+        with open(cfg_path) as f:
+            fields["model_config"] = get_architecture(cfg.model.name).config_from_hf(json.load(f))
+        initial_load = dict(initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
+                            initial_load_model_only=True)
     spec = model_spec(cfg.model.name, cfg.model.flavor, "exact", init_seed=cfg.model.seed,
-                      init_std=cfg.model.init_std)
+                      init_std=cfg.model.init_std, **fields)
     o = cfg.optimizer
     optimizer = default_adamw(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     optimizer.param_groups[0].optimizer_name = o.name
@@ -125,8 +134,9 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
                                 max_norm=cfg.training.max_norm, mixed_precision_param=cfg.model.dtype),
         parallelism=ParallelismConfig(data_parallel_shard_degree=cfg.parallelism.data_parallel_shard_degree,
                                       tensor_parallel_degree=cfg.parallelism.tensor_parallel_degree),
-        checkpoint=CheckpointManager.Config(enable=c.enable, interval=c.interval, folder=c.folder,
-                                            keep_latest_k=c.keep_latest_k, last_save_model_only=False),
+        checkpoint=CheckpointManager.Config(enable=c.enable or bool(initial_load), interval=c.interval,
+                                            folder=c.folder, keep_latest_k=c.keep_latest_k,
+                                            last_save_model_only=False, **initial_load),
         metrics=MetricsProcessor.Config(log_freq=cfg.metrics.log_freq,
                                         enable_tensorboard=cfg.metrics.enable_tensorboard),
         activation_checkpoint=None,
