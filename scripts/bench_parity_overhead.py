@@ -12,7 +12,6 @@ slowdown = exact time / stock time (1.0 = free). Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from titan_rl.checkpoint import save_hf_folder  # noqa: E402
+from titan_rl.jsonout import write_json  # noqa: E402
 from titan_rl.models.qwen3 import build  # noqa: E402
 
 
@@ -108,10 +108,7 @@ def main(argv=None):
             print(f"{k + ' (' + args.flavor + ', ' + args.dtype + ')':28s}{r['exact']['tokens_per_s']:>14.1f}"
                   f"{r['stock']['tokens_per_s']:>14.1f}{res[k + '_slowdown']:>9.2f}x")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, res)
     return 0
 
 

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from titan_rl.jsonout import write_json
+
 PHASES = ("rollout", "forward", "backward", "optimizer", "weight_sync")
 
 
@@ -53,10 +55,7 @@ def main(argv=None) -> int:
         print(f"{f:8s}" + "".join(f"{r[c]:>12.3f}s" for c in cols) + f"{r['max_abs_dlogp']:>12.3g}")
         print(f"{'':8s}" + "".join(f"{100 * r[c] / r['step']:>12.1f}%" for c in cols))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, res)
     return 0
 
 

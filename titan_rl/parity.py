@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -30,6 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from titan_rl import config as config_mod  # noqa: E402
+from titan_rl.jsonout import write_json  # noqa: E402
 from titan_rl.kernels import log_softmax_fp32  # noqa: E402
 from titan_rl.registry import get_architecture  # noqa: E402
 
@@ -202,7 +202,6 @@ def main(argv=None) -> int:
     seed = cfg.parity.seed if args.seed is None else args.seed
     n = cfg.parity.num_prompts if args.num_prompts is None else args.num_prompts
     engines = {"both": ["exact", "stock"]}.get(args.engine or cfg.parity.mode, [args.engine or cfg.parity.mode])
-    spec = get_architecture(cfg.model.name)
     with tempfile.TemporaryDirectory() as work:
         folder = build_weights(cfg, work)
         vocab = spec_config(cfg, folder).vocab_size
@@ -212,10 +211,7 @@ def main(argv=None) -> int:
     doc = {"config": asdict(cfg), "seed": seed, "num_prompts": n, "results": results,
            **{k: v for k, v in results[0].items()}}
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, doc)
     return 0
 
 

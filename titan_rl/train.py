@@ -20,18 +20,12 @@ The first `algorithm.sft_steps` steps are a supervised warm-up on the task's for
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-
-import torch  # noqa: E402
 
 
 def main(argv=None) -> int:
