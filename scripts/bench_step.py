@@ -25,7 +25,7 @@ PHASES = ("rollout", "forward", "backward", "optimizer", "weight_sync")
 def run_flavor(flavor: str, steps: int, prompts: int, group: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", d, f"--model.flavor={flavor}",
-               f"--training.steps={steps}", "--algorithm.sft_steps=1", f"--algorithm.prompts_per_step={prompts}",
+               f"--training.steps={steps}", "--lr_scheduler.warmup_steps=1", "--algorithm.sft_steps=1", f"--algorithm.prompts_per_step={prompts}",
                f"--algorithm.group_size={group}", "--checkpoint.enable=false"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

@@ -86,6 +86,8 @@ def test_config_errors():
         config.load(None, ['--training.steps="ten"'])
     with pytest.raises(config.ConfigError, match=r"algorithm.group_size = 1: GRPO needs >= 2"):
         config.load(None, ["--algorithm.group_size=1"])
+    with pytest.raises(config.ConfigError, match=r"lr_scheduler.warmup_steps = 10 must be < training.steps = 4"):
+        config.load(None, ["--training.steps=4", "--lr_scheduler.warmup_steps=10"])
     with pytest.raises(config.ConfigError, match=r"lr_scheduler.decay_type = 'step' is not allowed"):
         config.load(None, ['--lr_scheduler.decay_type="step"'])
 
@@ -100,9 +102,11 @@ def test_print_config_shows_every_section(capsys):
     assert config.load(None, []).task.name == "digit_reverse"
 
 
-def test_torchrun_fsdp2_rl_steps_have_zero_mismatch(tmp_path):
-    """2 ranks under torchrun (gloo), FSDP over both, bf16 mixed precision: each rank's
-    engine and the sharded trainer agree bitwise at every RL step."""
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout):
+    """2 ranks under torchrun (gloo), bf16: FSDP over both ranks (mixed precision), or
+    TP=2 with a fixed leaf tree (model.tp_leaves); each rank's engine (TP=1) and the
+    sharded trainer agree bitwise at every RL step."""
     import socket
 
     with socket.socket() as s:
@@ -110,9 +114,13 @@ def test_torchrun_fsdp2_rl_steps_have_zero_mismatch(tmp_path):
         port = s.getsockname()[1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
-           str(tmp_path), "--model.dtype=bfloat16", "--training.steps=4", "--algorithm.sft_steps=1",
+           str(tmp_path), "--model.dtype=bfloat16", "--training.steps=4", "--lr_scheduler.warmup_steps=1",
+           "--algorithm.sft_steps=1",
            "--algorithm.prompts_per_step=2", "--algorithm.group_size=4", "--algorithm.sft_batch=8",
            "--checkpoint.enable=false"]
+    if layout == "tp2":
+        cmd += ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                "--model.tp_leaves=8"]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
@@ -138,9 +146,21 @@ def test_starts_from_a_local_hf_checkpoint_folder(tmp_path):
     hf = tmp_path / "hf"
     save_hf_folder(build("debug").init_weights(1234, 0.05), str(hf), dtype=torch.float32)
     run = tmp_path / "run"
-    r = _train(run, [f"--model.checkpoint={hf}", "--algorithm.sft_steps=0", "--training.steps=1"])
+    r = _train(run, [f"--model.checkpoint={hf}", "--algorithm.sft_steps=0", "--training.steps=2",
+                     "--lr_scheduler.warmup_steps=1"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     src = load_file(str(hf / "model.safetensors"))
     eng = load_file(str(run / "engine_weights_rank0" / "model.safetensors"))
     assert src.keys() == eng.keys() and all(torch.equal(src[k], eng[k]) for k in src)
     assert _metrics(run)[0]["max_abs_dlogp"] == 0.0
+
+
+def test_several_updates_per_batch_report_policy_lag_apart(tmp_path):
+    r = _train(tmp_path, ["--algorithm.updates_per_batch=2", "--training.steps=3", "--lr_scheduler.warmup_steps=1",
+                          "--metrics.enable_tensorboard=true",
+                          "--checkpoint.enable=false"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
+    assert all(m["max_abs_dlogp"] == 0.0 for m in rl)  # measured before the first update
+    assert all(m["policy_lag_log_ratio_abs_max"] > 0.0 for m in rl)  # the second update sees the first
+    assert any(p.name.startswith("events") for p in (tmp_path / "tb").rglob("*"))  # TensorBoard when enabled

@@ -28,6 +28,7 @@ class ModelConfig:
     checkpoint: str = ""  # local HF folder (config.json + *.safetensors); "" = random weights
     seed: int = 0  # random-weight seed
     init_std: float = 0.02
+    tp_leaves: int = 0  # >0: fixed leaf tree for TP-invariant linears (8 covers TP 1/2/4/8)
 
     _choices = {"dtype": ("bfloat16", "float32")}
 
@@ -225,8 +226,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algorithm.sft_steps and algorithm.clip_eps must be >= 0")
     if cfg.training.steps < 1:
         raise ConfigError(f"training.steps = {cfg.training.steps}: must be >= 1")
-    if cfg.parallelism.tensor_parallel_degree < 1:
-        raise ConfigError(f"parallelism.tensor_parallel_degree = {cfg.parallelism.tensor_parallel_degree}: must be >= 1")
+    if cfg.lr_scheduler.warmup_steps >= cfg.training.steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} must be < training.steps = "
+                          f"{cfg.training.steps} (TorchTitan's schedule needs at least one step after warm-up)")
+    tp, leaves = cfg.parallelism.tensor_parallel_degree, cfg.model.tp_leaves
+    if tp < 1:
+        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp}: must be >= 1")
+    if leaves < 0 or (leaves & (leaves - 1)):
+        raise ConfigError(f"model.tp_leaves = {leaves}: must be 0 or a power of two")
+    if tp > 1 and (leaves == 0 or leaves % tp):
+        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} needs model.tp_leaves a multiple of it "
+                          f"(got {leaves}; 8 covers TP 1/2/4/8) for the trainer to stay bitwise equal to the engine")
     if cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval}: must be >= 1")
     p = cfg.parity

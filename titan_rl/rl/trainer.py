@@ -22,7 +22,6 @@ from titan_rl.titan import cpu_compat  # noqa: F401  (CPU shims before torchtita
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
-from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_rl.algorithms import PGLossConfig, group_advantages, policy_gradient_loss  # noqa: E402
@@ -114,7 +113,7 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
         initial_load = dict(initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
                             initial_load_model_only=True)
     spec = model_spec(cfg.model.name, cfg.model.flavor, "exact", init_seed=cfg.model.seed,
-                      init_std=cfg.model.init_std, **fields)
+                      init_std=cfg.model.init_std, tp_leaves=cfg.model.tp_leaves, **fields)
     o = cfg.optimizer
     optimizer = default_adamw(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     optimizer.param_groups[0].optimizer_name = o.name
@@ -152,6 +151,9 @@ class RLTrainer(Trainer):
         super().__init__(config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # Data comes per data-parallel rank: the TP ranks of one replica must see the same
+        # batch (their collectives are one computation), so seeds use the dp rank.
+        self.dp_rank = self.parallel_dims.get_mesh("batch").get_local_rank() if self.parallel_dims.dp_enabled else 0
         self.engine = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self._resumed_checked = False
@@ -171,12 +173,19 @@ class RLTrainer(Trainer):
         return {n: _full(p).detach().to(dtype).contiguous() for n, p in self.model.named_parameters()}
 
     def _optimizer_step(self) -> float:
-        grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), self.rl.training.max_norm,
-                                               foreach=True, pp_mesh=None, ep_enabled=False)
+        """Clip by the global grad norm, step, advance the LR schedule. The norm is taken
+        over full gradients: under TP, parameters live on different meshes (TP-sharded
+        linears vs FSDP-only norms/embeddings), which TorchTitan's clip_grad_norm_ cannot
+        stack; full_tensor() gives every rank the same norm."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        total = torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads))
+        coef = torch.clamp(self.rl.training.max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
-        return float(grad_norm)
+        return float(total)
 
     def _token_logprobs(self, batch: torch.Tensor) -> torch.Tensor:
         """log pi of batch[:, 1:] given the prefix: [B, L-1] (fp32)."""
@@ -247,7 +256,7 @@ class RLTrainer(Trainer):
 
     def _sft_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
-        pairs = self.task.sft_pairs(a.sft_batch, seed=_seed(self.rl.training.seed, 1, self.step, self.rank))
+        pairs = self.task.sft_pairs(a.sft_batch, seed=_seed(self.rl.training.seed, 1, self.step, self.dp_rank))
         batch = _pad_batch([p + t for p, t in pairs], tok.pad_id)
         mask = torch.zeros(batch.shape[0], batch.shape[1] - 1, dtype=torch.bool)
         for i, (p, t) in enumerate(pairs):
@@ -257,7 +266,7 @@ class RLTrainer(Trainer):
         loss = -(logp * mask).sum() / mask.sum()
         loss.backward()
         grad_norm = self._optimizer_step()
-        return {"phase": "sft", "loss": self._all_mean(float(loss)), "grad_norm": grad_norm,
+        return {"phase": "sft", "loss": self._all_mean(float(loss.detach())), "grad_norm": grad_norm,
                 "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
 
     def _rollout(self):
@@ -266,7 +275,7 @@ class RLTrainer(Trainer):
         if self.engine is None:
             self._make_engine()
         a, s = self.rl.algorithm, self.rl.sampling
-        examples = self.task.sample(a.prompts_per_step, seed=_seed(self.rl.training.seed, 2, self.step, self.rank))
+        examples = self.task.sample(a.prompts_per_step, seed=_seed(self.rl.training.seed, 2, self.step, self.dp_rank))
         reqs, params = [], []
         for i, ex in enumerate(examples):
             for g in range(a.group_size):
@@ -274,7 +283,7 @@ class RLTrainer(Trainer):
                 params.append(SamplingParams(
                     temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
                     stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0,
-                    seed=_seed(self.rl.training.seed, 3, self.step, self.rank, i * a.group_size + g)))
+                    seed=_seed(self.rl.training.seed, 3, self.step, self.dp_rank, i * a.group_size + g)))
         t0 = time.perf_counter()
         outs = self.engine.generate(reqs, params, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -320,6 +329,8 @@ class RLTrainer(Trainer):
             if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
                 metrics.update(self._mismatch(logp.detach()[mask].double(), mu[mask].double()))
             loss, stats = policy_gradient_loss(logp, mu, adv, mask, loss_cfg)
+            if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
+                metrics["policy_lag_log_ratio_abs_max"] = self._all_max(stats["log_ratio_abs_max"])
             t2 = time.perf_counter()
             loss.backward()
             t3 = time.perf_counter()
@@ -337,7 +348,7 @@ class RLTrainer(Trainer):
             "phase": "rl",
             "reward_mean": self._all_mean(float(rewards.mean())),
             "response_length": self._all_mean(n_tok / B),
-            "loss": self._all_mean(float(loss)),
+            "loss": self._all_mean(float(loss.detach())),
             "grad_norm": grad_norm,
             "clip_fraction": self._all_mean(stats["clip_fraction"]),
             "weights_checksum_equal": same,
