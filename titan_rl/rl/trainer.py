@@ -173,7 +173,8 @@ class RLTrainer(Trainer):
         return {n: _full(p).detach().to(dtype).contiguous() for n, p in self.model.named_parameters()}
 
     def _optimizer_step(self) -> float:
-        """Clip by the global grad norm, step, advance the LR schedule. The norm is taken
+        """Clip by the global grad norm and step (the LR schedule advances once per training
+        step, in train_step, however many updates a batch gets). The norm is taken
         over full gradients: under TP, parameters live on different meshes (TP-sharded
         linears vs FSDP-only norms/embeddings), which TorchTitan's clip_grad_norm_ cannot
         stack; full_tensor() gives every rank the same norm."""
@@ -183,7 +184,6 @@ class RLTrainer(Trainer):
         for g in grads:
             g.mul_(coef.to(g.dtype))
         self.optimizers.step()
-        self.lr_schedulers.step()
         self.optimizers.zero_grad()
         return float(total)
 
@@ -249,6 +249,7 @@ class RLTrainer(Trainer):
             m = self._sft_step()
         else:
             m = self._rl_step()
+        self.lr_schedulers.step()
         m["step"] = self.step
         m["lr"] = lr
         m["step_seconds"] = time.perf_counter() - t0
