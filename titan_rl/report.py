@@ -1,0 +1,664 @@
+"""One self-contained HTML page from a training run folder or a parity JSON.
+
+    python -m titan_rl.report PATH [--out FILE.html]
+
+PATH is either a run folder written by `python -m titan_rl.train --run-dir DIR`
+(it reads DIR/metrics.jsonl) or a JSON written by `python -m titan_rl.parity --json`.
+Default output: DIR/report.html, or <json stem>.html next to the JSON.
+Charts are inline SVG drawn here (no JavaScript, no network, no plotting library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import os
+import sys
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def fmt(v) -> str:
+    """A number for a table cell: ints as is, floats to 4 significant digits, 0 as 0."""
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        if v == 0:
+            return "0"
+        if abs(v) < 1e-3 or abs(v) >= 1e6:
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _esc(s) -> str:
+    return html.escape(str(s))
+
+
+# ----------------------------------------------------------------------------- SVG charts
+
+W, H = 600, 320
+ML, MR, MT, MB = 78, 20, 46, 52  # margins: left (y tick labels), right, top (title), bottom (x labels)
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
+    if hi <= lo:
+        hi = lo + (abs(lo) or 1.0)
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw and not (integer and m == 2.5 and mag == 1))
+    if integer:
+        step = max(1, round(step))
+    start = math.floor(lo / step) * step
+    ticks, t = [], start
+    while t <= hi + step * 1e-9:
+        ticks.append(round(t, 12))
+        t += step
+    while ticks[-1] < hi:  # the last tick covers hi
+        ticks.append(round(ticks[-1] + step, 12))
+    return ticks
+
+
+def _tick_label(t: float) -> str:
+    if t == 0:
+        return "0"
+    if abs(t) < 1e-3 or abs(t) >= 1e5:
+        return f"{t:.0e}"
+    return f"{t:.6g}"
+
+
+def _svg_open(title: str, xlabel: str, ylabel: str, w=W, h=H) -> list[str]:
+    return [
+        f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+        f'role="img" aria-label="{_esc(title)}">',
+        f'<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="15" font-weight="bold">{_esc(title)}</text>',
+        f'<text x="{ML + (w - ML - MR) / 2}" y="{h - 10}" text-anchor="middle" font-size="12">{_esc(xlabel)}</text>',
+        f'<text x="14" y="{MT + (h - MT - MB) / 2}" text-anchor="middle" font-size="12" '
+        f'transform="rotate(-90 14 {MT + (h - MT - MB) / 2})">{_esc(ylabel)}</text>',
+    ]
+
+
+def _frame(w=W, h=H) -> str:
+    return (f'<rect x="{ML}" y="{MT}" width="{w - ML - MR}" height="{h - MT - MB}" '
+            f'fill="none" stroke="#444" stroke-width="1"/>')
+
+
+def _note(text: str, w=W, h=H, color="#2a7a2a") -> str:
+    """A message in a white box at the top of the plot area (readable over bars and lines)."""
+    cx, bw = ML + (w - ML - MR) / 2, 7.6 * len(text) + 16
+    return (f'<rect x="{cx - bw / 2:.1f}" y="{MT + 8}" width="{bw:.1f}" height="20" rx="3" fill="white" '
+            f'stroke="{color}"/><text x="{cx}" y="{MT + 22}" text-anchor="middle" font-size="13" '
+            f'font-weight="bold" fill="{color}">{_esc(text)}</text>')
+
+
+class _YScale:
+    """Linear, or log10 with exact zeros drawn on a separate band under the axis."""
+
+    def __init__(self, values: list[float], log: bool, y0: float, y1: float):
+        self.y0, self.y1 = y0, y1  # pixel bottom, pixel top of the plot area
+        pos = [v for v in values if v > 0]
+        self.log = log and bool(pos) and all(v >= 0 for v in values)
+        self.has_zero = self.log and any(v == 0 for v in values)
+        if self.log:
+            lo, hi = math.floor(math.log10(min(pos))), math.ceil(math.log10(max(pos)))
+            if hi == lo:
+                hi = lo + 1
+            self.lo, self.hi = lo, hi
+            step = max(1, math.ceil((hi - lo) / 6))
+            self.ticks = [10.0 ** e for e in range(lo, hi + 1, step)]
+            self.band = 22 if self.has_zero else 0
+        else:
+            lo, hi = min(values), max(values)
+            if lo == hi:
+                lo, hi = lo - (abs(lo) * 0.1 or 1.0), hi + (abs(hi) * 0.1 or 1.0)
+            self.ticks = nice_ticks(lo, hi)
+            self.lo, self.hi = self.ticks[0], self.ticks[-1]
+            self.band = 0
+
+    def __call__(self, v: float) -> float:
+        top, bot = self.y1, self.y0 - self.band
+        if self.log:
+            if v <= 0:
+                return self.y0 - 6
+            f = (math.log10(v) - self.lo) / (self.hi - self.lo)
+        else:
+            f = (v - self.lo) / (self.hi - self.lo)
+        return bot - f * (bot - top)
+
+    def axis(self, w=W) -> list[str]:
+        out = []
+        for t in self.ticks:
+            y = self(t)
+            out.append(f'<line x1="{ML}" x2="{w - MR}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e3e3e3"/>')
+            out.append(f'<text x="{ML - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11">{_tick_label(t)}</text>')
+        if self.has_zero:
+            y = self.y0 - 6
+            out.append(f'<line x1="{ML}" x2="{w - MR}" y1="{self.y0 - self.band:.1f}" y2="{self.y0 - self.band:.1f}" '
+                       f'stroke="#888" stroke-dasharray="3,3"/>')
+            out.append(f'<text x="{ML - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11" fill="#2a7a2a">'
+                       f'0 (bitwise)</text>')
+        return out
+
+
+def line_chart(series: list[tuple[str, list[tuple[float, float]]]], title: str, xlabel: str, ylabel: str,
+               log: bool = False, zero_means_equal: bool = False, ylim: tuple[float, float] | None = None) -> str:
+    """series: [(label, [(x, y), ...]), ...]. log: log10 y axis (zeros drawn on a '0' band).
+    zero_means_equal: if every y is exactly 0, say 'bitwise equal' on the chart."""
+    series = [(name, [(x, y) for x, y in pts if _finite(x) and _finite(y)]) for name, pts in series]
+    series = [(name, pts) for name, pts in series if pts]
+    out = _svg_open(title, xlabel, ylabel)
+    if not series:
+        out += [_frame(), _note("no data recorded", color="#777"), "</svg>"]
+        return "\n".join(out)
+    xs = [x for _, pts in series for x, _ in pts]
+    ys = [y for _, pts in series for _, y in pts]
+    all_zero = zero_means_equal and all(y == 0 for y in ys)
+    ys_scale = [0.0, 1.0] if all_zero else ys + list(ylim or ())
+    sy = _YScale(ys_scale, log and not all_zero, H - MB, MT + (34 if all_zero else 8))
+    if sy.log:
+        out[4] = out[4].replace(f">{_esc(ylabel)}<", f">{_esc(ylabel)} (log scale)<")
+    xlo, xhi = min(xs), max(xs)
+    if xhi == xlo:
+        xlo, xhi = xlo - 1, xhi + 1
+    xt = nice_ticks(xlo, xhi, 6, integer=all(float(x).is_integer() for x in xs))
+    xt = [t for t in xt if xlo <= t <= xhi] or [xlo, xhi]
+
+    def sx(x):
+        return ML + 10 + (x - xlo) / (xhi - xlo) * (W - ML - MR - 20)
+
+    out += sy.axis()
+    for t in xt:
+        out.append(f'<text x="{sx(t):.1f}" y="{H - MB + 16}" text-anchor="middle" font-size="11">{_tick_label(t)}</text>')
+    out.append(_frame())
+    for i, (name, pts) in enumerate(series):
+        c = COLORS[i % len(COLORS)]
+        pts = sorted(pts)
+        d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        if len(pts) > 1:
+            out.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="1.8"/>')
+        r = 2.6 if len(pts) <= 60 else 1.5
+        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{c}"/>' for x, y in pts]
+    if len(series) > 1:  # legend: one row between the title and the plot, right-aligned
+        x = W - MR - sum(30 + 7 * len(name) for name, _ in series)
+        for i, (name, _) in enumerate(series):
+            out.append(f'<rect x="{x}" y="{MT - 14}" width="12" height="10" fill="{COLORS[i % len(COLORS)]}"/>')
+            out.append(f'<text x="{x + 16}" y="{MT - 5}" font-size="11">{_esc(name)}</text>')
+            x += 30 + 7 * len(name)
+    if all_zero:
+        out.append(_note(f"bitwise equal: exactly 0 at all {len(ys)} points"))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def bar_chart(labels: list[str], values: list[float], title: str, xlabel: str, ylabel: str,
+              annotations: list[str] | None = None, colors: list[str] | None = None, note: str | None = None,
+              rotate: bool = False) -> str:
+    out = _svg_open(title, xlabel, ylabel)
+    vals = [v if _finite(v) else 0.0 for v in values]
+    sy = _YScale([0.0] + vals + ([max(vals) * 1.15] if max(vals, default=0) > 0 else [1.0]), False, H - MB, MT + 8)
+    sy.lo = 0.0 if sy.lo > 0 else sy.lo
+    out += sy.axis()
+    n = max(1, len(labels))
+    bw = (W - ML - MR) / n
+    for i, (lab, v) in enumerate(zip(labels, vals)):
+        x = ML + i * bw
+        y0, y1 = sy(0.0), sy(v)
+        c = (colors or [COLORS[0]] * n)[i]
+        out.append(f'<rect x="{x + bw * 0.12:.1f}" y="{min(y0, y1):.1f}" width="{bw * 0.76:.1f}" '
+                   f'height="{abs(y0 - y1):.1f}" fill="{c}"><title>{_esc(lab)}: {fmt(v)}</title></rect>')
+        if rotate:
+            lx, ly = x + bw / 2 + 3, H - MB + 10
+            out.append(f'<text x="{lx:.1f}" y="{ly}" text-anchor="end" font-size="10" '
+                       f'transform="rotate(-35 {lx:.1f} {ly})">{_esc(lab)}</text>')
+        else:
+            out.append(f'<text x="{x + bw / 2:.1f}" y="{H - MB + 15}" text-anchor="middle" font-size="10">'
+                       f'{_esc(lab)}</text>')
+        if annotations and annotations[i]:
+            out.append(f'<text x="{x + bw / 2:.1f}" y="{min(y0, y1) - 4:.1f}" text-anchor="middle" '
+                       f'font-size="9" fill="#333">{_esc(annotations[i])}</text>')
+    out.append(_frame())
+    if note:
+        out.append(_note(note))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def scatter_chart(xs: list[float], ys: list[float], title: str, xlabel: str, ylabel: str,
+                  max_points: int = 3000, note: str | None = None) -> str:
+    out = _svg_open(title, xlabel, ylabel)
+    pts = [(x, y) for x, y in zip(xs, ys) if _finite(x) and _finite(y)]
+    step = max(1, math.ceil(len(pts) / max_points))
+    shown = pts[::step]
+    lo = min([0.0] + [min(p) for p in pts]) if pts else 0.0
+    hi = max([1.0] + [max(p) for p in pts]) if pts else 1.0
+    if lo >= -0.01 and hi <= 1.01:  # probabilities (rounding may put a few a hair above 1): clamp to [0, 1]
+        ticks, lo, hi = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0], 0.0, 1.0
+        shown = [(min(max(x, 0.0), 1.0), min(max(y, 0.0), 1.0)) for x, y in shown]
+    else:
+        ticks = nice_ticks(lo, hi)
+        lo, hi = ticks[0], ticks[-1]
+
+    def sx(x):
+        return ML + (x - lo) / (hi - lo) * (W - ML - MR)
+
+    def sy(y):
+        return H - MB - (y - lo) / (hi - lo) * (H - MB - MT)
+
+    for t in ticks:
+        out.append(f'<line x1="{ML}" x2="{W - MR}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#e3e3e3"/>')
+        out.append(f'<text x="{ML - 6}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="11">{_tick_label(t)}</text>')
+        out.append(f'<text x="{sx(t):.1f}" y="{H - MB + 16}" text-anchor="middle" font-size="11">{_tick_label(t)}</text>')
+    out.append(f'<line x1="{sx(lo):.1f}" y1="{sy(lo):.1f}" x2="{sx(hi):.1f}" y2="{sy(hi):.1f}" '
+               f'stroke="#999" stroke-dasharray="4,3"/>')
+    out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="1.8" fill="{COLORS[0]}" fill-opacity="0.55"/>'
+            for x, y in shown]
+    out.append(_frame())
+    caption = f"{len(shown)} of {len(pts)} tokens shown; dashed line: y = x"
+    out.append(f'<text x="{W - MR - 6}" y="{H - MB - 8}" text-anchor="end" font-size="10" fill="#555">'
+               f'{_esc(caption)}</text>')
+    if note:
+        out.append(_note(note))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- page
+
+CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px auto; max-width: 1240px;
+       color: #222; line-height: 1.45; padding: 0 12px; }
+h1 { font-size: 24px; margin-bottom: 4px; } h2 { font-size: 19px; margin-top: 30px; border-bottom: 1px solid #ddd; }
+h3 { font-size: 16px; margin-top: 20px; }
+.src { color: #666; font-size: 13px; } .intro { background: #f5f7fa; border-left: 4px solid #1f77b4; padding: 10px 14px; }
+table { border-collapse: collapse; margin: 10px 0; font-size: 14px; }
+th, td { border: 1px solid #ccc; padding: 4px 10px; text-align: right; } th { background: #f0f0f0; }
+td:first-child, th:first-child { text-align: left; }
+.charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(600px, 1fr)); gap: 14px; }
+.charts svg { border: 1px solid #ddd; }
+.ok { color: #2a7a2a; font-weight: bold; } .bad { color: #b22222; font-weight: bold; }
+.missing { background: #fff6e0; border-left: 4px solid #e0a000; padding: 8px 12px; }
+"""
+
+INTRO = (
+    "<p class='intro'>titan_rl makes the RL <b>trainer</b> and the <b>sampler</b> (vLLM) compute the same "
+    "log-probabilities, to the bit. For every sampled token, <b>&pi;</b> (pi) is the trainer's log-probability "
+    "of that token and <b>&mu;</b> (mu) is the log-probability the sampler reported when it drew it. The "
+    "<b>log ratio</b> log&nbsp;&rho; = &pi; &minus; &mu; is 0 when the two agree exactly (&ldquo;bitwise "
+    "equal&rdquo;); |&pi; &minus; &mu;| is reported as <i>max_abs_dlogp</i> / <i>mean_abs_dlogp</i>, and "
+    "<i>bitwise_fraction</i> is the share of tokens with &pi; = &mu; exactly. <b>k3 mean</b> is the mean of "
+    "&rho; &minus; log&nbsp;&rho; &minus; 1 over tokens, an estimate of the KL divergence between sampler and "
+    "trainer (0 when they are equal, always &ge; 0). Any nonzero value means the importance ratio used by the "
+    "policy-gradient loss is off by rounding differences, not by learning.</p>"
+)
+
+
+def page(title: str, source: str, body: list[str]) -> str:
+    return "\n".join([
+        "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{_esc(title)}</title>", f"<style>{CSS}</style></head><body>",
+        f"<h1>{_esc(title)}</h1>", f"<div class='src'>source: {_esc(source)}</div>", INTRO,
+        *body, "</body></html>",
+    ])
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """Cells are already HTML (use fmt / _esc)."""
+    h = "".join(f"<th>{c}</th>" for c in header)
+    r = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{h}</tr>{r}</table>"
+
+
+# ----------------------------------------------------------------------------- run folder
+
+
+def _mean(xs):
+    xs = [x for x in xs if _finite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    dl = [(r["max_abs_dlogp"], r["step"]) for r in rl if _finite(r.get("max_abs_dlogp"))]
+    rewards = [r.get("reward_mean") for r in rl if _finite(r.get("reward_mean"))]
+    bw = [r["bitwise_fraction"] for r in rl if _finite(r.get("bitwise_fraction"))]
+    out: list[tuple[str, object]] = [
+        ("steps", len(rows)),
+        ("last step", max((r.get("step", 0) for r in rows), default=None)),
+        ("SFT steps", sum(1 for r in rows if r.get("phase") == "sft")),
+        ("RL steps", len(rl)),
+        ("max over steps of max_abs_dlogp", max(dl)[0] if dl else None),
+    ]
+    if dl and max(dl)[0] > 0:
+        out.append(("  ... at step", max(dl)[1]))
+    out += [
+        ("min over steps of bitwise_fraction", min(bw) if bw else None),
+        ("mean k3_mean", _mean([r.get("k3_mean") for r in rl])),
+        (f"reward_mean, first {min(10, len(rewards))} RL steps", _mean(rewards[:10])),
+        (f"reward_mean, last {min(10, len(rewards))} RL steps", _mean(rewards[-10:])),
+        ("mean rollout tokens/s", _mean([r.get("rollout_tokens_per_s") for r in rl])),
+        ("mean train tokens/s", _mean([r.get("train_tokens_per_s") for r in rows])),
+    ]
+    checks = [r["weights_checksum_equal"] for r in rl if "weights_checksum_equal" in r]
+    if checks:
+        out.append(("weight sync checksum equal at every RL step", all(checks)))
+    return out
+
+
+def _pts(rows, key, phase=None):
+    return [(r["step"], r[key]) for r in rows if key in r and "step" in r and (phase is None or r.get("phase") == phase)]
+
+
+def run_report(run_dir: str, rows: list[dict]) -> str:
+    summ = run_summary(rows)
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    dl = [r["max_abs_dlogp"] for r in rl if _finite(r.get("max_abs_dlogp"))]
+    if not rl:
+        verdict = "<p>No RL steps recorded (only supervised warm-up steps): no mismatch measured.</p>"
+    elif dl and max(dl) == 0:
+        verdict = (f"<p class='ok'>Bitwise equal: at all {len(rl)} RL steps the trainer's log-probs matched "
+                   "the sampler's exactly (max_abs_dlogp = 0).</p>")
+    else:
+        verdict = (f"<p class='bad'>Mismatch: max_abs_dlogp reached {fmt(max(dl) if dl else None)} "
+                   f"over {len(rl)} RL steps.</p>")
+    body = ["<h2>Summary</h2>", verdict,
+            table(["quantity", "value"], [[_esc(k), fmt(v)] for k, v in summ])]
+    charts = [
+        line_chart([("reward_mean", _pts(rows, "reward_mean", "rl"))], "Mean reward per RL step", "step", "reward_mean"),
+        line_chart([("max_abs_dlogp", _pts(rows, "max_abs_dlogp", "rl"))],
+                   "Max |pi - mu| per step", "step", "max |log ratio|", log=True, zero_means_equal=True),
+        line_chart([("mean_abs_dlogp", _pts(rows, "mean_abs_dlogp", "rl"))],
+                   "Mean |pi - mu| per step", "step", "mean |log ratio|", log=True, zero_means_equal=True),
+        line_chart([("k3_mean", _pts(rows, "k3_mean", "rl"))],
+                   "k3 mean (KL estimate) per step", "step", "k3 mean", log=True, zero_means_equal=True),
+        line_chart([("bitwise_fraction", _pts(rows, "bitwise_fraction", "rl"))],
+                   "Fraction of tokens bitwise equal", "step", "bitwise_fraction (1 = all equal)",
+                   ylim=(0.0, 1.0)),
+        line_chart([("SFT", _pts(rows, "loss", "sft")), ("RL", _pts(rows, "loss", "rl"))],
+                   "Loss (SFT warm-up, then RL policy gradient)", "step", "loss"),
+        line_chart([("response_length", _pts(rows, "response_length", "rl"))],
+                   "Mean response length", "step", "tokens per completion"),
+        line_chart([("rollout (vLLM)", _pts(rows, "rollout_tokens_per_s")),
+                    ("train", _pts(rows, "train_tokens_per_s"))],
+                   "Throughput", "step", "tokens / s"),
+    ]
+    body += ["<h2>Per-step curves</h2>",
+             "<p>SFT warm-up steps have no sampler, so the mismatch and reward curves start at the first RL step. "
+             "Mismatch curves use a log scale; steps where the value is exactly 0 sit on the band marked "
+             "&ldquo;0 (bitwise)&rdquo;.</p>",
+             "<div class='charts'>", *charts, "</div>"]
+    return page(f"titan_rl run report: {os.path.basename(os.path.abspath(run_dir))}", os.path.abspath(run_dir), body)
+
+
+# ----------------------------------------------------------------------------- parity JSON
+
+PARITY_KEYS = [
+    ("tokens", "sampled tokens compared"),
+    ("bitwise_fraction", "share of tokens with pi == mu exactly"),
+    ("max_abs_dlogp", "max |pi - mu|"),
+    ("mean_abs_dlogp", "mean |pi - mu|"),
+    ("k3_mean", "mean of rho - log rho - 1 (KL estimate)"),
+    ("k3_max", "max of rho - log rho - 1"),
+    ("full_vocab_positions", "positions with the full vocabulary compared"),
+    ("full_vocab_max_abs_dlogp", "max |pi - mu| over the whole vocabulary"),
+    ("full_vocab_bitwise_fraction", "share of full-vocabulary entries equal"),
+    ("unified_vs_builtin_max_abs_dlogp", "our exact model vs vLLM's built-in one, max"),
+    ("unified_vs_builtin_mean_abs_dlogp", "our exact model vs vLLM's built-in one, mean"),
+    ("rollout_seconds", "sampling wall time (s)"),
+]
+DETAIL_KEYS = ("log_ratio", "pi", "mu", "position", "entropy")
+TAILS = (1e-6, 1e-4, 1e-2)
+
+
+def _detail(r: dict) -> dict | None:
+    """Per-token arrays of one engine result, validated; None when not recorded."""
+    d = {k: r[k] for k in DETAIL_KEYS if isinstance(r.get(k), list)}
+    if "log_ratio" not in d and "pi" in d and "mu" in d:
+        d["log_ratio"] = [p - m for p, m in zip(d["pi"], d["mu"])]
+    if "log_ratio" not in d:
+        return None
+    n = len(d["log_ratio"])
+    for k in list(d):
+        if len(d[k]) != n:
+            raise ReportError(f"per-token array {k!r} of engine {r.get('engine')!r} has {len(d[k])} entries, "
+                              f"log_ratio has {n}")
+    return d
+
+
+def _hist_log_ratio(lr: list[float], engine: str) -> str:
+    """Histogram of |log rho| by decade, with exact zeros in their own 'bitwise equal' bar."""
+    a = [abs(v) for v in lr if _finite(v)]
+    n = len(a)
+    zeros = sum(1 for v in a if v == 0)
+    nz = [v for v in a if v > 0]
+    labels, counts, colors = ["= 0 (bitwise)"], [zeros], ["#2ca02c"]
+    if nz:
+        lo = max(-12, math.floor(math.log10(min(nz))))
+        hi = max(lo + 1, math.ceil(math.log10(max(nz))))
+        if math.log10(max(nz)) == hi:
+            hi += 1
+        if lo > -12 and min(nz) < 1e-12:
+            lo = -12
+        for e in range(lo, hi):
+            c = sum(1 for v in nz if (e == lo or v >= 10.0 ** e) and v < 10.0 ** (e + 1))
+            labels.append(f"1e{e}" if e > lo or min(nz) >= 10.0 ** lo else f"<1e{e + 1}")
+            counts.append(c)
+            colors.append(COLORS[0])
+    frac = [c / n if n else 0.0 for c in counts]
+    ann = [f"{100 * f:.1f}%" if c else "" for f, c in zip(frac, counts)]
+    note = f"all {n} tokens bitwise equal (log ratio exactly 0)" if n and zeros == n else None
+    return bar_chart(labels, frac, f"{engine}: distribution of |log ratio| = |pi - mu|",
+                     "|log ratio|: bar '1e-k' counts [1e-k, 1e-k+1); exact zeros in the green bar",
+                     "fraction of tokens", annotations=ann, colors=colors, note=note, rotate=len(labels) > 12)
+
+
+def _bucket_chart(keys: list[float], lr: list[float], nb: int, title: str, xlabel: str, integer: bool) -> str:
+    pairs = [(k, abs(v)) for k, v in zip(keys, lr) if _finite(k) and _finite(v)]
+    if not pairs:
+        return bar_chart([], [], title, xlabel, "mean |log ratio|", note="no data")
+    lo, hi = min(k for k, _ in pairs), max(k for k, _ in pairs)
+    if integer:
+        width = max(1, math.ceil((hi - lo + 1) / nb))
+        edges = [lo + i * width for i in range(nb + 1)]
+    else:
+        width = (hi - lo) / nb or 1.0
+        edges = [lo + i * width for i in range(nb + 1)]
+    sums, cnts = [0.0] * nb, [0] * nb
+    for k, v in pairs:
+        i = min(nb - 1, int((k - lo) // width))
+        sums[i] += v
+        cnts[i] += 1
+    keep = [i for i in range(nb) if cnts[i]]
+    if integer:
+        labels = [f"{int(edges[i])}–{int(min(edges[i + 1] - 1, hi))}" if width > 1 and edges[i] < hi
+                  else str(int(edges[i])) for i in keep]
+    else:
+        labels = [f"{edges[i]:.2g}–{edges[i + 1]:.2g}" for i in keep]
+    means = [sums[i] / cnts[i] for i in keep]
+    ann = [f"n={cnts[i]}" for i in keep]
+    note = "bitwise equal in every bucket (all 0)" if all(m == 0 for m in means) else None
+    return bar_chart(labels, means, title, xlabel, "mean |log ratio|", annotations=ann, note=note,
+                     rotate=len(labels) > 10)
+
+
+def _prob(v: list[float]) -> list[float]:
+    """pi / mu are log-probs (<= 0); if every value is in [0, 1] and some is > 0 they are taken as probabilities."""
+    vals = [x for x in v if _finite(x)]
+    if vals and all(0 <= x <= 1 for x in vals) and any(x > 0 for x in vals):
+        return list(v)
+    return [math.exp(x) if _finite(x) else float("nan") for x in v]
+
+
+def detail_section(r: dict, d: dict) -> list[str]:
+    eng = r.get("engine", "?")
+    lr = d["log_ratio"]
+    a = [abs(v) for v in lr if _finite(v)]
+    n = len(a)
+    rows = [[f"|log &rho;| &gt; {t:g}", fmt(sum(1 for v in a if v > t) / n if n else None),
+             fmt(sum(1 for v in a if v > t))] for t in TAILS]
+    rows.insert(0, ["|log &rho;| = 0 (bitwise equal)", fmt(sum(1 for v in a if v == 0) / n if n else None),
+                    fmt(sum(1 for v in a if v == 0))])
+    out = [f"<h3>Engine <code>{_esc(eng)}</code>: per-token detail ({n} tokens)</h3>",
+           table(["tail", "fraction of tokens", "tokens"], rows), "<div class='charts'>", _hist_log_ratio(lr, eng)]
+    if "pi" in d and "mu" in d:
+        p, m = _prob(d["pi"]), _prob(d["mu"])
+        eq = all(x == y for x, y in zip(d["pi"], d["mu"]))
+        gap = max((abs(x - y) for x, y in zip(p, m) if _finite(x) and _finite(y)), default=0.0)
+        out.append(scatter_chart(m, p, f"{eng}: trainer vs sampler probability of each sampled token",
+                                 "sampler probability exp(mu)", "trainer probability exp(pi)",
+                                 note="bitwise equal: every point on y = x exactly" if eq else
+                                 "differences too small to see here: see the histogram" if gap < 0.01 else None))
+    else:
+        out.append(bar_chart([], [], f"{eng}: trainer vs sampler probability", "", "",
+                             note="pi / mu arrays not recorded"))
+    if "position" in d:
+        out.append(_bucket_chart(d["position"], lr, 10, f"{eng}: mean |log ratio| by token position",
+                                 "position of the token within its completion", integer=True))
+    else:
+        out.append(bar_chart([], [], f"{eng}: mean |log ratio| by position", "", "", note="position not recorded"))
+    if "entropy" in d:
+        out.append(_bucket_chart(d["entropy"], lr, 8, f"{eng}: mean |log ratio| by entropy of the distribution",
+                                 "entropy of the sampler's next-token distribution (nats)", integer=False))
+    else:
+        out.append(bar_chart([], [], f"{eng}: mean |log ratio| by entropy", "", "", note="entropy not recorded"))
+    out.append("</div>")
+    return out
+
+
+def parity_report(path: str, doc: dict) -> str:
+    results = doc["results"]
+    engines = [str(r.get("engine", f"#{i}")) for i, r in enumerate(results)]
+    cfg = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    model = cfg.get("model", {}) if isinstance(cfg.get("model"), dict) else {}
+    info = [("model", model.get("name")), ("flavor", model.get("flavor")), ("dtype", model.get("dtype")),
+            ("checkpoint", model.get("checkpoint") or None), ("seed", doc.get("seed")),
+            ("prompts", doc.get("num_prompts"))]
+    body = ["<h2>Run</h2>", table(["setting", "value"], [[k, fmt(v)] for k, v in info if v is not None])]
+    verdicts = []
+    for e, r in zip(engines, results):
+        m, bf, n = r.get("max_abs_dlogp"), r.get("bitwise_fraction"), r.get("tokens")
+        if m == 0:
+            verdicts.append(f"<li><code>{_esc(e)}</code>: <span class='ok'>bitwise equal</span> — all "
+                            f"{fmt(n)} sampled tokens have &pi; = &mu; exactly.</li>")
+        elif _finite(m):
+            verdicts.append(f"<li><code>{_esc(e)}</code>: <span class='bad'>mismatch</span> — "
+                            f"{fmt(100 * bf) if _finite(bf) else '?'}% of {fmt(n)} tokens equal, "
+                            f"max |&pi; &minus; &mu;| = {fmt(m)}.</li>")
+    body += ["<h2>Engines side by side</h2>",
+             "<p><b>exact</b>: vLLM runs titan_rl's model with the same kernels as the trainer (expected: bitwise "
+             "equal). <b>stock</b>: vLLM's built-in model against a plain-PyTorch trainer (what an RL stack "
+             "without titan_rl sees).</p>", "<ul>", *verdicts, "</ul>"]
+    known = [k for k, _ in PARITY_KEYS]
+    keys = [k for k in known if any(k in r for r in results)]
+    keys += sorted({k for r in results for k, v in r.items()
+                    if k not in known and k not in DETAIL_KEYS and k != "engine" and _finite(v)})
+    desc = dict(PARITY_KEYS)
+    rows = [[f"{_esc(k)}<br><small>{_esc(desc.get(k, ''))}</small>"] + [fmt(r.get(k)) for r in results] for k in keys]
+    body.append(table(["metric"] + [f"<code>{_esc(e)}</code>" for e in engines], rows))
+    body.append("<h2>Per-token detail</h2>")
+    details = [(r, _detail(r)) for r in results]
+    if not any(d for _, d in details):
+        body.append("<p class='missing'>Per-token detail not recorded; rerun parity with --detail to get the "
+                    "log-ratio histogram, the trainer-vs-sampler scatter and the breakdowns by position and "
+                    "entropy.</p>")
+    for r, d in details:
+        if d is None:
+            if any(dd for _, dd in details):
+                body.append(f"<p class='missing'>Engine <code>{_esc(r.get('engine'))}</code>: per-token detail "
+                            "not recorded; rerun parity with --detail.</p>")
+            continue
+        body += detail_section(r, d)
+    return page(f"titan_rl parity report: {os.path.basename(path)}", os.path.abspath(path), body)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+class ReportError(Exception):
+    pass
+
+
+def load(path: str) -> tuple[str, object]:
+    """('run', rows) or ('parity', doc); ReportError with a message naming the path otherwise."""
+    if not os.path.exists(path):
+        raise ReportError(f"{path}: no such file or folder (expected a run folder or a parity JSON)")
+    if os.path.isdir(path):
+        mpath = os.path.join(path, "metrics.jsonl")
+        if not os.path.isfile(mpath):
+            raise ReportError(f"{path}: folder has no metrics.jsonl (is it a run folder from "
+                              "`python -m titan_rl.train --run-dir`?)")
+        rows = []
+        with open(mpath) as f:
+            for i, ln in enumerate(f, 1):
+                if not ln.strip():
+                    continue
+                try:
+                    row = json.loads(ln)
+                except json.JSONDecodeError as e:
+                    raise ReportError(f"{mpath}: line {i} is not JSON ({e.msg})") from None
+                if not isinstance(row, dict) or "step" not in row:
+                    raise ReportError(f"{mpath}: line {i} is not a metrics object with a 'step'")
+                rows.append(row)
+        if not rows:
+            raise ReportError(f"{mpath}: empty (no steps recorded yet)")
+        return "run", rows
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReportError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list) or not doc["results"] \
+            or not all(isinstance(r, dict) for r in doc["results"]):
+        raise ReportError(f"{path}: not a parity JSON (no 'results' list; write one with "
+                          "`python -m titan_rl.parity --json`)")
+    return "parity", doc
+
+
+def default_out(path: str, kind: str) -> str:
+    if kind == "run":
+        return os.path.join(path, "report.html")
+    return os.path.splitext(path)[0] + ".html"
+
+
+def build(path: str, out: str | None = None) -> str:
+    kind, data = load(path)
+    try:
+        text = run_report(path, data) if kind == "run" else parity_report(path, data)
+    except ReportError as e:
+        raise ReportError(f"{path}: {e}") from None
+    out = out or default_out(path, kind)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_rl.report", description=__doc__.split("\n")[0])
+    ap.add_argument("path", metavar="PATH", help="a run folder (with metrics.jsonl) or a parity JSON")
+    ap.add_argument("--out", default=None, help="HTML file to write (default: DIR/report.html or <json stem>.html)")
+    args = ap.parse_args(argv)
+    try:
+        out = build(args.path, args.out)
+    except ReportError as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
