@@ -164,3 +164,17 @@ def test_several_updates_per_batch_report_policy_lag_apart(tmp_path):
     assert all(m["max_abs_dlogp"] == 0.0 for m in rl)  # measured before the first update
     assert all(m["policy_lag_log_ratio_abs_max"] > 0.0 for m in rl)  # the second update sees the first
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").rglob("*"))  # TensorBoard when enabled
+
+
+def test_corrections_log_their_fractions_and_warn_when_parity_is_exact(tmp_path):
+    r = _train(tmp_path, ["--training.steps=4", "--lr_scheduler.warmup_steps=1", "--correction.tis_cap=2.0", "--correction.token_band_low=0.5",
+                          "--correction.token_band_high=2.0", "--checkpoint.enable=false"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "can only delete signal" in r.stdout
+    rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
+    for m in rl:
+        assert m["max_abs_dlogp"] == 0.0
+        assert m["tis_clipped_fraction"] == 0.0 and m["token_band_masked_fraction"] == 0.0
+        assert m["tokens_kept_fraction"] == 1.0
+    with pytest.raises(config.ConfigError, match="token_band_low"):
+        config.load(None, ["--correction.token_band_low=2.0", "--correction.token_band_high=1.5"])

@@ -131,6 +131,18 @@ class AlgorithmConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    """Residual-mismatch corrections (titan_rl.algorithms.corrections); all off by default.
+    With exact parity they can only delete signal, and the trainer says so."""
+    tis_cap: float = 0.0
+    token_band_low: float = 0.0
+    token_band_high: float = 0.0
+    seq_geo_low: float = 0.0
+    seq_geo_high: float = 0.0
+    outlier_log_ratio: float = 0.0
+
+
+@dataclass
 class TaskConfig:
     name: str = "digit_reverse"  # a built-in short name or "package.module:Class"
     kwargs: dict = field(default_factory=dict)
@@ -149,6 +161,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
 
 
@@ -216,6 +229,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampling.temperature = {s.temperature}: must be > 0 (greedy has no log-prob ratio to study)")
     if s.top_k < 0:
         raise ConfigError(f"sampling.top_k = {s.top_k}: must be >= 0 (0 = off)")
+    from titan_rl.algorithms.corrections import CorrectionConfig as _Corrections
+
+    try:
+        _Corrections(**dataclasses.asdict(cfg.correction))
+    except ValueError as e:
+        raise ConfigError(f"[correction] {e}") from None
     a = cfg.algorithm
     for key in ("group_size", "prompts_per_step", "updates_per_batch", "sft_batch"):
         if getattr(a, key) < 1:

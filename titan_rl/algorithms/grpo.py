@@ -92,6 +92,7 @@ def policy_gradient_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cfg: PGLossConfig,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped importance-sampled policy-gradient loss.
 
@@ -99,6 +100,8 @@ def policy_gradient_loss(
     mu: [B, T] the sampler's recorded log-probs of the same tokens.
     advantages: [B], one per sequence, broadcast over its tokens.
     mask: [B, T] bool or 0/1; True/1 marks a valid (loss-bearing) token.
+    weights: optional [B, T] per-token factors (no gradient), e.g. truncated importance
+        weights from titan_rl.algorithms.corrections; the objective is multiplied by them.
 
     Per valid token: ``ratio = exp(logp - mu)`` and the objective is
     ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`` (``ratio * A`` without
@@ -132,6 +135,8 @@ def policy_gradient_loss(
         objective = torch.minimum(unclipped, clipped)
         clipped_active = clipped < unclipped
 
+    if weights is not None:
+        objective = objective * weights.detach().to(objective.dtype)
     objective = torch.where(valid, objective, zero)
     tokens_per_seq = valid.sum(dim=1)
     n_tokens = int(tokens_per_seq.sum().item())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,10 @@ from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from titan_rl.algorithms import PGLossConfig, group_advantages, policy_gradient_loss  # noqa: E402
+from titan_rl.algorithms import (  # noqa: E402
+    CorrectionConfig, PGLossConfig, apply_corrections, enabled, group_advantages, policy_gradient_loss,
+    warning_if_exact,
+)
 from titan_rl.checkpoint import checkpoint_fingerprint  # noqa: E402
 from titan_rl.config import Config  # noqa: E402
 from titan_rl.kernels import log_softmax_fp32  # noqa: E402
@@ -157,6 +160,8 @@ class RLTrainer(Trainer):
         self.engine = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self._resumed_checked = False
+        self.corrections = CorrectionConfig(**asdict(rl.correction))
+        self._warned_exact = False
         self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
         tok = self.task.tokenizer
         vocab = self.model_parts[0].cfg.vocab_size
@@ -323,13 +328,17 @@ class RLTrainer(Trainer):
         loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
         metrics: dict = {}
         t = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        ref, weights, loss_mask = mu, None, mask
         for k in range(a.updates_per_batch):
             t0 = time.perf_counter()
             logp = self._token_logprobs(batch)
             t1 = time.perf_counter()
             if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
                 metrics.update(self._mismatch(logp.detach()[mask].double(), mu[mask].double()))
-            loss, stats = policy_gradient_loss(logp, mu, adv, mask, loss_cfg)
+                if enabled(self.corrections):
+                    ref, weights, loss_mask, cstats = self._correct(logp.detach(), mu, mask, metrics)
+                    metrics.update(cstats)
+            loss, stats = policy_gradient_loss(logp, ref, adv, loss_mask, loss_cfg, weights=weights)
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
                 metrics["policy_lag_log_ratio_abs_max"] = self._all_max(stats["log_ratio_abs_max"])
             t2 = time.perf_counter()
@@ -358,6 +367,18 @@ class RLTrainer(Trainer):
             **{f"time_{k}_seconds": v for k, v in t.items()},
         })
         return metrics
+
+    def _correct(self, pi_old, mu, mask, metrics):
+        """Decoupled correction for a residual mismatch: the PPO ratio is taken against
+        the trainer's own log-probs at the rollout weights (pi_old), and the sampler gap
+        pi_old/mu goes into truncated weights and masks (titan_rl.algorithms.corrections)."""
+        weights, new_mask, cstats = apply_corrections(pi_old, mu, mask, self.corrections)
+        warning = warning_if_exact(self.corrections, metrics["max_abs_dlogp"])
+        if warning and not self._warned_exact and self.rank == 0:
+            print(f"WARNING: {warning}", flush=True)
+            self._warned_exact = True
+        cstats = {k: self._all_mean(v) for k, v in cstats.items()}
+        return pi_old, weights, new_mask, cstats
 
     def _mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
         d = pi - mu
