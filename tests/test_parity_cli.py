@@ -11,7 +11,7 @@ def test_parity_cli_exact_is_bitwise(tmp_path, capsys):
     from titan_rl.parity import main
 
     out = tmp_path / "p.json"
-    rc = main(["--config", "train_configs/debug.toml", "--engine", "exact", "--num-prompts", "6",
+    rc = main(["--config", "train_configs/debug.toml", "--engine", "exact", "--num-prompts", "6", "--detail",
                "--json", str(out), "--sampling.max_tokens=16", "--parity.full_vocab_prompts=1",
                "--rollout.max_num_batched_tokens=96"])
     assert rc == 0
@@ -21,6 +21,12 @@ def test_parity_cli_exact_is_bitwise(tmp_path, capsys):
     assert r["max_abs_dlogp"] == 0.0 and r["bitwise_fraction"] == 1.0
     assert r["full_vocab_max_abs_dlogp"] == 0.0 and r["full_vocab_positions"] == 16
     assert "max_abs_dlogp" in capsys.readouterr().out
+    assert len(r["log_ratio"]) == 96 and set(r["log_ratio"]) == {0.0} and len(r["entropy"]) == 96
+    from titan_rl.report import main as report_main
+
+    assert report_main([str(out)]) == 0  # the report reads the per-token detail
+    html = (tmp_path / "p.html").read_text()
+    assert "bitwise equal" in html
 
 
 def test_parity_cli_bad_config_is_a_clear_error(capsys):

@@ -100,8 +100,21 @@ def rescore(model, samples, batch_sizes):
             P, T = len(s["prompt"]), len(s["tokens"])
             rows = logp[r, P - 1 : P - 1 + T]
             s["pi"] = rows.gather(-1, torch.tensor(s["tokens"])[:, None])[:, 0].tolist()
+            s["entropy"] = (-(rows.exp() * rows).nansum(-1)).tolist()  # trainer's, at each position
             if s["full"] is not None:
                 s["pi_full"] = rows.clone()
+
+
+def detail(samples) -> dict:
+    """Per-token arrays for the report (titan_rl.report): log ratio, both log-probs, the
+    token's index in its completion and the trainer's entropy there."""
+    return {
+        "log_ratio": [p - m for s in samples for p, m in zip(s["pi"], s["mu"])],
+        "pi": [p for s in samples for p in s["pi"]],
+        "mu": [m for s in samples for m in s["mu"]],
+        "position": [i for s in samples for i in range(len(s["mu"]))],
+        "entropy": [e for s in samples for e in s["entropy"]],
+    }
 
 
 def compare(samples, key_pi="pi") -> dict:
@@ -131,7 +144,7 @@ def spec_config(cfg, folder):
         return get_architecture(cfg.model.name).config_from_hf(json.load(f))
 
 
-def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print) -> dict:
+def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print, with_detail: bool = False) -> dict:
     from titan_rl.checkpoint import load_hf_folder
     from titan_rl.vllm.engine import make_llm
 
@@ -154,6 +167,8 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print) -> 
     trainer = load_hf_folder(folder, kernels=engine, dtype=dtype, arch=cfg.model.name).eval()
     rescore(trainer, samples, cfg.parity.trainer_batch_sizes)
     result = {"engine": engine, **compare(samples)}
+    if with_detail:
+        result.update(detail(samples))
     if engine == "stock":  # how far is our (exact) model from vLLM's built-in one?
         ours = load_hf_folder(folder, kernels="exact", dtype=dtype, arch=cfg.model.name).eval()
         for s in samples:
@@ -190,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--detail", action="store_true",
+                    help="also store per-token arrays in the JSON (for python -m titan_rl.report)")
     ap.add_argument("overrides", nargs="*", help="--section.key=value")
     args, extra = ap.parse_known_args(argv)
     try:
@@ -206,7 +223,7 @@ def main(argv=None) -> int:
         folder = build_weights(cfg, work)
         vocab = spec_config(cfg, folder).vocab_size
         prompts = make_prompts(cfg, vocab, n, seed)
-        results = [run_engine(cfg, folder, e, prompts, seed) for e in engines]
+        results = [run_engine(cfg, folder, e, prompts, seed, with_detail=args.detail) for e in engines]
     print_table(results)
     doc = {"config": asdict(cfg), "seed": seed, "num_prompts": n, "results": results,
            **{k: v for k, v in results[0].items()}}
