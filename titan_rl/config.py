@@ -29,8 +29,9 @@ class ModelConfig:
     seed: int = 0  # random-weight seed
     init_std: float = 0.02
     tp_leaves: int = 0  # >0: fixed leaf tree for TP-invariant linears (8 covers TP 1/2/4/8)
+    kernels: str = "exact"  # "stock": plain torch trainer + vLLM's built-in engine (to measure what exactness removes)
 
-    _choices = {"dtype": ("bfloat16", "float32")}
+    _choices = {"dtype": ("bfloat16", "float32"), "kernels": ("exact", "stock")}
 
 
 @dataclass

@@ -115,7 +115,7 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
             fields["model_config"] = get_architecture(cfg.model.name).config_from_hf(json.load(f))
         initial_load = dict(initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
                             initial_load_model_only=True)
-    spec = model_spec(cfg.model.name, cfg.model.flavor, "exact", init_seed=cfg.model.seed,
+    spec = model_spec(cfg.model.name, cfg.model.flavor, cfg.model.kernels, init_seed=cfg.model.seed,
                       init_std=cfg.model.init_std, tp_leaves=cfg.model.tp_leaves, **fields)
     o = cfg.optimizer
     optimizer = default_adamw(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
@@ -224,17 +224,22 @@ class RLTrainer(Trainer):
             json.dump(spec.config_to_hf(self.model.cfg, spec.vllm_architecture), f)
         save_file(self._full_state(), os.path.join(folder, "model.safetensors"))
         r, a = self.rl.rollout, self.rl.algorithm
-        self.engine = make_llm(folder, arch=self.rl.model.name, dtype=self.rl.model.dtype, seed=self.rl.training.seed,
+        engine = "stock" if self.rl.model.kernels == "stock" else "exact"
+        self.engine = make_llm(folder, arch=self.rl.model.name, engine=engine, dtype=self.rl.model.dtype,
+                               seed=self.rl.training.seed,
                                kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
                                max_num_seqs=max(r.max_num_seqs, a.prompts_per_step * a.group_size),
                                enable_prefix_caching=r.enable_prefix_caching)
 
-    def sync_weights(self) -> bool:
-        """Trainer weights -> engine (prefix cache reset); returns checksum equality."""
+    def sync_weights(self) -> bool | None:
+        """Trainer weights -> engine (prefix cache reset); returns checksum equality
+        (None for the stock engine, whose fused qkv/gate_up parameters have other names)."""
         from titan_rl.vllm.engine import engine_model, update_weights
 
         state = self._full_state()
         update_weights(self.engine, state)
+        if self.rl.model.kernels == "stock":
+            return None
         engine_state = {n: p.detach() for n, p in engine_model(self.engine).named_parameters() if n in state}
         same = checkpoint_fingerprint(state) == checkpoint_fingerprint(engine_state)
         if not same:

@@ -44,15 +44,27 @@ def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: 
     return LLM(**kwargs)
 
 
-def engine_model(llm) -> torch.nn.Module:
-    """The model object inside an in-process engine."""
+def _model_runner(llm):
     core = llm.llm_engine.engine_core
     core = getattr(core, "engine_core", core)
-    return core.model_executor.driver_worker.worker.model_runner.model
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def engine_model(llm) -> torch.nn.Module:
+    """The model object inside an in-process engine."""
+    return _model_runner(llm).model
 
 
 def update_weights(llm, state_dict: dict[str, torch.Tensor]) -> None:
     """Load new weights into the engine and drop every cached prefix: KV (and state)
-    computed under the old weights must never be reused."""
-    engine_model(llm).load_weights(state_dict.items())
+    computed under the old weights must never be reused. Our wrapper loads in place;
+    vLLM's built-in models repack weights after loading (CPU), so they go through
+    vLLM's own in-place reload."""
+    from titan_rl.vllm.model import TitanForCausalLM
+
+    model = engine_model(llm)
+    if isinstance(model, TitanForCausalLM):
+        model.load_weights(state_dict.items())
+    else:
+        _model_runner(llm).reload_weights(weights_iterator=iter(state_dict.items()))
     llm.reset_prefix_cache()
