@@ -178,3 +178,15 @@ def test_corrections_log_their_fractions_and_warn_when_parity_is_exact(tmp_path)
         assert m["tokens_kept_fraction"] == 1.0
     with pytest.raises(config.ConfigError, match="token_band_low"):
         config.load(None, ["--correction.token_band_low=2.0", "--correction.token_band_high=1.5"])
+
+
+def test_stock_mode_shows_the_mismatch_titan_rl_removes(tmp_path):
+    """kernels = stock: vLLM's built-in Qwen3 samples (weights synced by vLLM's in-place
+    reload) and a plain torch trainer scores: the mismatch is measured and non-zero."""
+    r = _train(tmp_path, ["--model.kernels=stock", "--training.steps=5", "--lr_scheduler.warmup_steps=1",
+                          "--checkpoint.enable=false"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
+    assert max(m["max_abs_dlogp"] for m in rl) > 0.0 and min(m["bitwise_fraction"] for m in rl) < 1.0
+    assert all(m["weights_checksum_equal"] is None for m in rl)
+    assert max(m["max_abs_dlogp"] for m in rl) < 1e-3  # fp32: the same function, only rounding differs
