@@ -190,3 +190,21 @@ def test_stock_mode_shows_the_mismatch_titan_rl_removes(tmp_path):
     assert max(m["max_abs_dlogp"] for m in rl) > 0.0 and min(m["bitwise_fraction"] for m in rl) < 1.0
     assert all(m["weights_checksum_equal"] is None for m in rl)
     assert max(m["max_abs_dlogp"] for m in rl) < 1e-3  # fp32: the same function, only rounding differs
+
+
+def test_truncated_sampling_recompute_equals_replay_with_zero_mismatch(tmp_path):
+    """temperature 0.8, top-k 5, top-p 0.9: the trainer scores under the renormalised
+    kept set, recomputed from its own logits or replayed from the sampler's record;
+    both give mismatch 0 and the same run."""
+    runs = {}
+    for mode in ("recompute", "replay"):
+        r = _train(tmp_path / mode, ["--training.steps=5", "--lr_scheduler.warmup_steps=1", "--sampling.temperature=0.8",
+                                     "--sampling.top_p=0.9", "--sampling.top_k=5", f"--sampling.mask_mode={mode}",
+                                     "--checkpoint.enable=false"])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[mode] = [m for m in _metrics(tmp_path / mode) if m["phase"] == "rl"]
+    for m in runs["recompute"] + runs["replay"]:
+        assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0
+    assert all(m["kept_set_bytes_per_token"] > 0 for m in runs["replay"])
+    strip = lambda m: {k: v for k, v in _comparable(m).items() if k != "kept_set_bytes_per_token"}  # noqa: E731
+    assert [strip(m) for m in runs["recompute"]] == [strip(m) for m in runs["replay"]]

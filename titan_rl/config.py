@@ -40,6 +40,9 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 64
+    mask_mode: str = "recompute"  # RL: how the trainer gets the sampler's kept set ("recompute" | "replay")
+
+    _choices = {"mask_mode": ("recompute", "replay")}
 
 
 @dataclass

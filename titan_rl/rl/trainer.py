@@ -192,6 +192,19 @@ class RLTrainer(Trainer):
         self.optimizers.zero_grad()
         return float(total)
 
+    def _sampled_logprobs(self, batch, mask, kept=None) -> torch.Tensor:
+        """log pi of the sampled tokens under the policy the sampler drew from (the same
+        temperature, renormalised over the same top-k/top-p kept set: recomputed from our
+        bitwise-equal logits, or replayed from the sampler's record), [B, L-1], 0 where
+        mask is False. With temperature 1 and no top-k/top-p this is the plain log-softmax."""
+        from titan_rl.kernels.sampling import sampled_logprobs
+
+        s = self.rl.sampling
+        rows = self.model(batch)[:, :-1][mask]
+        pi = sampled_logprobs(rows, batch[:, 1:][mask], s.temperature, top_k=s.top_k or None,
+                              top_p=s.top_p if s.top_p < 1.0 else None, kept=kept)
+        return torch.zeros(mask.shape, dtype=pi.dtype).masked_scatter(mask, pi)
+
     def _token_logprobs(self, batch: torch.Tensor) -> torch.Tensor:
         """log pi of batch[:, 1:] given the prefix: [B, L-1] (fp32)."""
         logp = log_softmax_fp32(self.model(batch))
@@ -229,7 +242,8 @@ class RLTrainer(Trainer):
                                seed=self.rl.training.seed,
                                kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
                                max_num_seqs=max(r.max_num_seqs, a.prompts_per_step * a.group_size),
-                               enable_prefix_caching=r.enable_prefix_caching)
+                               enable_prefix_caching=r.enable_prefix_caching,
+                               logprobs_mode="processed_logprobs")
 
     def sync_weights(self) -> bool | None:
         """Trainer weights -> engine (prefix cache reset); returns checksum equality
@@ -296,15 +310,26 @@ class RLTrainer(Trainer):
                     stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0,
                     seed=_seed(self.rl.training.seed, 3, self.step, self.dp_rank, i * a.group_size + g)))
         t0 = time.perf_counter()
-        outs = self.engine.generate(reqs, params, use_tqdm=False)
+        kept = None
+        if s.mask_mode == "replay":
+            from titan_rl.vllm.sampling import capture_kept_sets
+
+            with capture_kept_sets(self.engine) as ks:
+                outs = self.engine.generate(reqs, params, use_tqdm=False)
+        else:
+            outs = self.engine.generate(reqs, params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        rollouts = []
+        rollouts, kept_rows = [], []
         for j, out in enumerate(outs):
             c = out.outputs[0]
             toks = list(c.token_ids)
             mu = [lp[t].logprob for t, lp in zip(toks, c.logprobs)]
             rollouts.append((examples[j // a.group_size], toks, mu))
-        return rollouts, dt
+            if s.mask_mode == "replay":
+                kept_rows.append(ks.kept_for(out.request_id, toks))
+        if s.mask_mode == "replay":
+            kept = (torch.cat(kept_rows), ks.total_bytes)
+        return rollouts, dt, kept
 
     def _set_phase_lr(self) -> None:
         """LR for this step = configured base x phase scale x schedule(step), recomputed
@@ -318,7 +343,7 @@ class RLTrainer(Trainer):
 
     def _rl_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
-        rollouts, t_roll = self._rollout()
+        rollouts, t_roll, kept = self._rollout()
         rewards = torch.tensor([self.task.reward(ex, toks) for ex, toks, _ in rollouts], dtype=torch.float32)
         adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
         seqs = [list(ex.prompt_ids) + toks for ex, toks, _ in rollouts]
@@ -336,7 +361,7 @@ class RLTrainer(Trainer):
         ref, weights, loss_mask = mu, None, mask
         for k in range(a.updates_per_batch):
             t0 = time.perf_counter()
-            logp = self._token_logprobs(batch)
+            logp = self._sampled_logprobs(batch, mask, None if kept is None else kept[0])
             t1 = time.perf_counter()
             if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
                 metrics.update(self._mismatch(logp.detach()[mask].double(), mu[mask].double()))
@@ -368,6 +393,7 @@ class RLTrainer(Trainer):
             "clip_fraction": self._all_mean(stats["clip_fraction"]),
             "weights_checksum_equal": same,
             "rollout_tokens_per_s": n_tok / t_roll,
+            **({"kept_set_bytes_per_token": kept[1] / max(n_tok, 1)} if kept is not None else {}),
             "train_tokens_per_s": batch.numel() * a.updates_per_batch / t_train,
             **{f"time_{k}_seconds": v for k, v in t.items()},
         })

@@ -23,18 +23,25 @@ from titan_rl.registry import get_architecture  # noqa: E402
 def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: str = "bfloat16", seed: int = 0,
              kv_cache_mib: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-             block_size: int | None = None):
+             block_size: int | None = None, logprobs_mode: str = "raw_logprobs"):
     """engine='exact': our wrapper (same model definition as the trainer);
-    engine='stock': vLLM's built-in implementation of the same architecture."""
+    engine='stock': vLLM's built-in implementation of the same architecture.
+    logprobs_mode='processed_logprobs' records the log-probs of the policy actually
+    sampled (temperature, top-k/top-p, renormalised); the exact engine then also uses
+    titan_rl.kernels.sampling for the kept set (titan_rl.vllm.sampling.install)."""
     if engine not in ("exact", "stock"):
         raise ValueError(f"engine = {engine!r} is not allowed; use 'exact' or 'stock'")
     from vllm import LLM
 
     spec = get_architecture(arch)
+    if logprobs_mode == "processed_logprobs" and engine == "exact":
+        from titan_rl.vllm.sampling import install
+
+        install()
     kwargs = dict(
         model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed, enforce_eager=True,
         kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=enable_prefix_caching, max_logprobs=-1,
+        enable_prefix_caching=enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
         hf_overrides={"architectures": [spec.vllm_architecture if engine == "exact" else spec.hf_architecture]},
     )
     if max_num_batched_tokens is not None:
