@@ -15,6 +15,9 @@ from pathlib import Path
 
 import tomli
 
+# [correction] is the algorithm's own config dataclass (one definition, validated there).
+from titan_rl.algorithms.corrections import CorrectionConfig
+
 
 class ConfigError(ValueError):
     pass
@@ -135,18 +138,6 @@ class AlgorithmConfig:
 
 
 @dataclass
-class CorrectionConfig:
-    """Residual-mismatch corrections (titan_rl.algorithms.corrections); all off by default.
-    With exact parity they can only delete signal, and the trainer says so."""
-    tis_cap: float = 0.0
-    token_band_low: float = 0.0
-    token_band_high: float = 0.0
-    seq_geo_low: float = 0.0
-    seq_geo_high: float = 0.0
-    outlier_log_ratio: float = 0.0
-
-
-@dataclass
 class TaskConfig:
     name: str = "digit_reverse"  # a built-in short name or "package.module:Class"
     kwargs: dict = field(default_factory=dict)
@@ -233,10 +224,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampling.temperature = {s.temperature}: must be > 0 (greedy has no log-prob ratio to study)")
     if s.top_k < 0:
         raise ConfigError(f"sampling.top_k = {s.top_k}: must be >= 0 (0 = off)")
-    from titan_rl.algorithms.corrections import CorrectionConfig as _Corrections
-
     try:
-        _Corrections(**dataclasses.asdict(cfg.correction))
+        cfg.correction.validate()
     except ValueError as e:
         raise ConfigError(f"[correction] {e}") from None
     a = cfg.algorithm

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_rl.algorithms import (  # noqa: E402
-    CorrectionConfig, PGLossConfig, apply_corrections, enabled, group_advantages, policy_gradient_loss,
+    PGLossConfig, apply_corrections, enabled, group_advantages, policy_gradient_loss,
     warning_if_exact,
 )
 from titan_rl.checkpoint import checkpoint_fingerprint  # noqa: E402
@@ -160,7 +160,7 @@ class RLTrainer(Trainer):
         self.engine = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self._resumed_checked = False
-        self.corrections = CorrectionConfig(**asdict(rl.correction))
+        self.corrections = rl.correction
         self._warned_exact = False
         self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
         tok = self.task.tokenizer
