@@ -24,6 +24,9 @@ class ArchitectureSpec:
     config_to_hf: Callable[[Any, str], dict]    # (model config, architecture name) -> config.json dict
     vllm_architecture: str                      # the `architectures` entry vLLM resolves to our wrapper
     hf_architecture: str                        # the stock HF/vLLM architecture with the same weights
+    # "module:Class" of the vLLM wrapper; the default serves any model built from qwen3's
+    # pieces. A model with recurrent state (hybrid linear attention) names its own.
+    vllm_class: str = "titan_rl.vllm.model:TitanForCausalLM"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -58,9 +61,10 @@ def architecture_for_vllm(arch: str) -> ArchitectureSpec:
 
 
 def _register_builtins() -> None:
+    """The built-in architectures, registered exactly as a user's would be."""
     if "qwen3" in _REGISTRY:
         return
-    from titan_rl.models import qwen3
+    from titan_rl.models import qwen3, qwen3_moe
 
     register_architecture(ArchitectureSpec(
         name="qwen3",
@@ -71,3 +75,13 @@ def _register_builtins() -> None:
         vllm_architecture="TitanQwen3ForCausalLM",
         hf_architecture="Qwen3ForCausalLM",
     ))
+    register_architecture(ArchitectureSpec(
+        name="qwen3_moe",
+        build=qwen3_moe.build,
+        flavors=qwen3_moe.FLAVORS,
+        config_from_hf=qwen3_moe.Qwen3MoeConfig.from_hf,
+        config_to_hf=lambda cfg, arch: cfg.hf_config(arch),
+        vllm_architecture="TitanQwen3MoeForCausalLM",
+        hf_architecture="Qwen3MoeForCausalLM",
+    ))
+    # -- hybrid (GDN linear attention + full attention) --

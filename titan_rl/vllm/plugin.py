@@ -9,4 +9,4 @@ def register() -> None:
     _register_builtins()
     for spec in _REGISTRY.values():
         if spec.vllm_architecture not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(spec.vllm_architecture, "titan_rl.vllm.model:TitanForCausalLM")
+            ModelRegistry.register_model(spec.vllm_architecture, spec.vllm_class)

@@ -1,0 +1,166 @@
+"""MoE routing and expert combination on CPU, batch-invariant (docs/moe.md).
+
+router_topk: fp32 router logits through the invariant `linear` (hidden and gate weight
+upcast), fp32 softmax (an eager row reduction), top-k chosen by an explicit rule: the
+largest probability first, and among equal probabilities the LOWEST expert index. It
+does not rely on torch.topk, whose order among ties is an implementation detail.
+Optional renormalisation of the k weights (Qwen3-MoE's norm_topk_prob) sums the slots in
+slot order 0..k-1.
+
+moe_experts: tokens are grouped by expert (experts visited 0..E-1) and each group goes
+through the expert (a row-wise callable: the model's expert MLP, whose linears are the
+invariant row-tiled `linear` in exact mode, so a row's bits do not depend on how many
+rows share the call, i.e. on which other tokens picked the same expert). Each (token, slot)
+result is put back in place (a gather, no accumulation), then every token combines its
+k slots in slot order 0..k-1 in fp32 and casts once. Everything after the GEMMs is
+elementwise, so a token's output is a function of that token's row alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from titan_rl.kernels.matmul.torch_impl import linear
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ExpertFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _topk_lowest_index(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """ids [T, k]: by probability descending, ties to the lowest expert index.
+    k rounds of (row max, then the smallest index holding that max), excluding picks."""
+    T, E = probs.shape
+    p = probs.detach()
+    idx = torch.arange(E, device=p.device).expand(T, E)
+    taken = torch.zeros(T, E, dtype=torch.bool, device=p.device)
+    ids = torch.empty(T, k, dtype=torch.long, device=p.device)
+    for j in range(k):
+        masked = p.masked_fill(taken, -1.0)  # probabilities are >= 0; -1 is below all of them
+        m = masked.amax(-1, keepdim=True)
+        pick = torch.where(masked == m, idx, E).amin(-1)
+        if T and bool((pick >= E).any()):
+            raise ValueError("router probabilities contain NaN; cannot choose experts")
+        ids[:, j] = pick
+        taken.scatter_(1, pick[:, None], True)
+    return ids
+
+
+def _slot_sum(w: torch.Tensor) -> torch.Tensor:
+    """sum over the last dim in slot order 0..k-1 (elementwise adds)."""
+    s = w[..., 0]
+    for j in range(1, w.shape[-1]):
+        s = s + w[..., j]
+    return s
+
+
+def router_topk(
+    hidden: torch.Tensor,
+    gate_weight: torch.Tensor,
+    k: int,
+    norm_topk_prob: bool,
+    route_override: torch.Tensor | None = None,
+    linear_fn: LinearFn = linear,
+    return_probs: bool = False,
+):
+    """hidden [T, H], gate_weight [E, H] -> (weights fp32 [T, k], ids int64 [T, k])
+    (+ probs fp32 [T, E] and the router's own choice [T, k] when return_probs).
+
+    route_override [T, k] (any integer dtype, e.g. the compact routes of a rollout):
+    use exactly these experts (router replay; a row whose first id is negative keeps
+    the router's own choice); the weights are still the current
+    router's probabilities of those experts (renormalised when norm_topk_prob), so the
+    gate keeps its gradient."""
+    E = gate_weight.shape[0]
+    if not 1 <= k <= E:
+        raise ValueError(f"top-k = {k} must be in 1..num_experts ({E})")
+    logits = linear_fn(hidden.float(), gate_weight.float())
+    probs = torch.softmax(logits, dim=-1)
+    own = _topk_lowest_index(probs, k)
+    ids = own
+    if route_override is not None:
+        T = hidden.shape[0]
+        if tuple(route_override.shape) != (T, k):
+            raise ValueError(f"route_override has shape {tuple(route_override.shape)}, expected {(T, k)}")
+        forced = route_override.to(device=probs.device, dtype=torch.long)
+        used = forced[forced[:, 0] >= 0]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= E):
+            raise ValueError(f"route_override holds expert ids outside 0..{E - 1}")
+        # rows whose first id is negative route normally (e.g. positions no sampler computed)
+        ids = torch.where(forced[:, :1] >= 0, forced, own)
+    weights = probs.gather(1, ids)
+    if norm_topk_prob:
+        # clamp: a replayed expert set can have underflowed probabilities (sum 0 -> NaN);
+        # on the router's own choice the sum is >= k/E and the clamp is a no-op.
+        weights = weights / _slot_sum(weights).clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    return (weights, ids, probs, own) if return_probs else (weights, ids)
+
+
+def compact_routes(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Routes for storage/transfer: uint8 up to 256 experts, int16 up to 32768, else int32."""
+    if n_experts <= 256:
+        dtype = torch.uint8
+    elif n_experts <= 32768:
+        dtype = torch.int16
+    else:
+        dtype = torch.int32
+    return ids.detach().to(dtype)
+
+
+def swiglu_expert(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  linear_fn: LinearFn = linear, linear_down: LinearFn | None = None) -> ExpertFn:
+    """An expert from raw weights: down(silu(gate(x)) * up(x)) through the given linears
+    (the model passes its expert MLP modules instead, so TP-sharded layers just work)."""
+    down = linear_fn if linear_down is None else linear_down
+    return lambda xe: down(F.silu(linear_fn(xe, w_gate)) * linear_fn(xe, w_up), w_down)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                experts: Sequence[ExpertFn]) -> torch.Tensor:
+    """x [T, H], ids [T, k], weights [T, k] -> [T, H] in x's dtype.
+
+    experts[e] maps the rows routed to expert e ([n_e, H]) to their outputs; it must be
+    row-wise (the invariant `linear` is). Token t's result is
+    sum_{j = 0..k-1} weights[t, j] * experts[ids[t, j]](x[t]), summed in fp32 in slot order."""
+    T, H = x.shape
+    k = ids.shape[1]
+    flat = ids.reshape(-1)  # (token, slot) pairs, row-major: pair p = t * k + j
+    pieces, order = [], []
+    for e, expert in enumerate(experts):
+        rows = (flat == e).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        pieces.append(expert(x.index_select(0, rows // k)))
+        order.append(rows)
+    if not pieces:
+        return x.new_zeros(T, H)
+    y = torch.cat(pieces)
+    inverse = torch.empty_like(flat)
+    inverse[torch.cat(order)] = torch.arange(flat.numel(), device=flat.device)
+    y = y.index_select(0, inverse).view(T, k, H).float()
+    w = weights.float()
+    acc = y[:, 0] * w[:, 0, None]
+    for j in range(1, k):
+        acc = acc + y[:, j] * w[:, j, None]
+    return acc.to(x.dtype)
+
+
+def load_balancing_loss(probs: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], n_experts: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss over all layers, transformers' definition
+    (load_balancing_loss_func, no attention mask):
+    E * sum_e f_e * P_e, f_e = (top-k assignments to e) / rows, P_e = sum of prob_e / rows,
+    rows = tokens x layers. Gradient flows through the probabilities only."""
+    if not probs:
+        raise ValueError("load_balancing_loss needs at least one layer")
+    dev = probs[0].device
+    counts = torch.zeros(n_experts, dtype=torch.float32, device=dev)
+    psum = torch.zeros(n_experts, dtype=torch.float32, device=dev)
+    rows = 0
+    for p, i in zip(probs, ids):
+        counts = counts + torch.bincount(i.reshape(-1).long(), minlength=n_experts).float()
+        psum = psum + p.float().sum(0)
+        rows += p.shape[0]
+    rows = max(rows, 1)
+    return (counts / rows * (psum / rows)).sum() * n_experts

@@ -1,0 +1,197 @@
+"""Qwen3-MoE decoder: models/qwen3.py with the dense MLP replaced by a routed one.
+
+Everything but the MLP (attention, RoPE, q/k norms, RMSNorm, Linear and its kinds, the
+kernel modes in `Ops`, the LM head, `hidden_states`/`logits`/`forward`) is qwen3.py's,
+imported, not copied, so both engines drive this model exactly like the dense one.
+
+Parameter names equal Hugging Face Qwen3-MoE checkpoints':
+  model.layers.N.mlp.gate.weight                        [num_experts, hidden]
+  model.layers.N.mlp.experts.M.{gate,up}_proj.weight    [moe_intermediate_size, hidden]
+  model.layers.N.mlp.experts.M.down_proj.weight         [hidden, moe_intermediate_size]
+(transformers >= 5 fuses the experts into 3D tensors on load; the files keep these names.)
+
+Routing (kernels/moe): fp32 router logits and softmax, top-k with ties to the lowest
+expert index, optional renormalisation (norm_topk_prob); experts combined per token in
+slot order in fp32. Every layer is sparse (decoder_sparse_step = 1, no mlp_only_layers,
+no shared expert: Qwen3-MoE's published models).
+
+After each forward: `model.aux_loss` (Switch load-balancing loss over all layers,
+transformers' definition; not batch-invariant and not meant to be) and
+`model.last_routes` (per layer, the compact [T, k] expert ids used) and
+`model.last_own_routes` (the router's own choice; differs from last_routes only under
+replay). Router replay: `model.set_route_override([ids per layer] or None)` makes the
+next forwards use exactly those experts (the weights stay the current router's
+probabilities of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk
+from titan_rl.models.qwen3 import MLP, Attention, AttentionFn, Linear, Ops, Qwen3Config, Qwen3ForCausalLM, RMSNorm
+
+
+@dataclass(frozen=True)
+class Qwen3MoeConfig(Qwen3Config):
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
+
+    def validate(self) -> "Qwen3MoeConfig":
+        super().validate()
+        if self.num_experts < 1:
+            raise ValueError(f"model.num_experts = {self.num_experts} must be >= 1")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model.num_experts_per_tok = {self.num_experts_per_tok} must be in 1..num_experts ({self.num_experts})"
+            )
+        L = self.tp_leaves
+        if L and self.moe_intermediate_size % L:
+            raise ValueError(f"model.tp_leaves = {L} must divide moe_intermediate_size = {self.moe_intermediate_size}")
+        return self
+
+    def hf_config(self, architecture: str = "TitanQwen3MoeForCausalLM", dtype: str = "bfloat16") -> dict:
+        d = super().hf_config(architecture, dtype)
+        d.update(
+            model_type="qwen3_moe",
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            norm_topk_prob=self.norm_topk_prob,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+        )
+        return d
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen3MoeConfig":
+        if d.get("model_type", "qwen3_moe") != "qwen3_moe":
+            raise ValueError(f"config.json model_type = {d.get('model_type')!r}, expected 'qwen3_moe'")
+        if int(d.get("decoder_sparse_step", 1)) != 1 or list(d.get("mlp_only_layers") or []):
+            raise ValueError(
+                "config.json has dense layers (decoder_sparse_step != 1 or mlp_only_layers non-empty); "
+                "only all-sparse Qwen3-MoE is supported"
+            )
+        dense = Qwen3Config.from_hf({**d, "intermediate_size": d.get("intermediate_size", d["moe_intermediate_size"])})
+        fields = {f: getattr(dense, f) for f in Qwen3Config.__dataclass_fields__}
+        return cls(
+            **fields,
+            num_experts=d["num_experts"],
+            num_experts_per_tok=d["num_experts_per_tok"],
+            moe_intermediate_size=d["moe_intermediate_size"],
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+        ).validate()
+
+
+FLAVORS: dict[str, Qwen3MoeConfig] = {
+    # ~4.5M parameters (8 experts, top-2): trains in seconds on CPU.
+    "debug_moe": Qwen3MoeConfig(),
+    # ~73M parameters (16 experts, top-4, ~16M active per token): benchmarks.
+    "small_moe": Qwen3MoeConfig(
+        vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+    ),
+}
+
+
+class SparseMoeBlock(nn.Module):
+    """Router `gate` + `experts` (each qwen3.MLP at moe_intermediate_size)."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, ops: Ops):
+        super().__init__()
+        self.ops, self.k, self.norm_topk_prob = ops, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.num_experts = cfg.num_experts
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, ops)
+        expert_cfg = replace(cfg, intermediate_size=cfg.moe_intermediate_size)
+        self.experts = nn.ModuleList(MLP(expert_cfg, ops) for _ in range(cfg.num_experts))
+        self.route_override: torch.Tensor | None = None
+        self.last_probs: torch.Tensor | None = None
+        self.last_ids: torch.Tensor | None = None       # the experts used
+        self.last_own_ids: torch.Tensor | None = None   # the router's own choice (== used unless replayed)
+
+    def forward(self, x):
+        weights, ids, probs, own = router_topk(
+            x, self.gate.weight, self.k, self.norm_topk_prob,
+            route_override=self.route_override, linear_fn=self.ops.linear, return_probs=True,
+        )
+        self.last_probs, self.last_ids, self.last_own_ids = probs, ids, own
+        return moe_experts(x, ids, weights, self.experts)
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, ops: Ops):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, ops)
+        self.mlp = SparseMoeBlock(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(self, x, positions, attn: AttentionFn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoeBackbone(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, ops: Ops):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """qwen3.Qwen3ForCausalLM with MoE layers; hidden_states/logits/forward/init_weights
+    are inherited (same signatures, same kernels)."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, kernels: str = "exact"):
+        nn.Module.__init__(self)
+        self.cfg = cfg.validate()
+        self.ops = Ops(kernels, cfg.tp_leaves)
+        self.model = MoeBackbone(cfg, self.ops)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.aux_loss: torch.Tensor | None = None
+        self.last_routes: list[torch.Tensor] | None = None
+        self.last_own_routes: list[torch.Tensor] | None = None
+
+    def set_route_override(self, routes: list[torch.Tensor] | None) -> None:
+        """Per layer [T, k] expert ids for the next forwards over T flat tokens (None:
+        route normally; a row whose first id is negative routes normally too)."""
+        layers = self.model.layers
+        if routes is not None and len(routes) != len(layers):
+            raise ValueError(f"route override has {len(routes)} layers, the model {len(layers)}")
+        for i, layer in enumerate(layers):
+            layer.mlp.route_override = None if routes is None else routes[i]
+
+    def hidden_states(self, input_ids, positions, attn: AttentionFn, inputs_embeds=None):
+        h = super().hidden_states(input_ids, positions, attn, inputs_embeds)
+        blocks = [layer.mlp for layer in self.model.layers]
+        self.last_routes = [compact_routes(b.last_ids, self.cfg.num_experts) for b in blocks]
+        self.last_own_routes = [compact_routes(b.last_own_ids, self.cfg.num_experts) for b in blocks]
+        self.aux_loss = load_balancing_loss(
+            [b.last_probs for b in blocks], [b.last_ids for b in blocks], self.cfg.num_experts
+        )
+        for b in blocks:  # do not keep the graph alive through the blocks
+            b.last_probs = b.last_ids = b.last_own_ids = None
+        return h
+
+
+def build(flavor: str | Qwen3MoeConfig, kernels: str = "exact", **overrides) -> Qwen3MoeForCausalLM:
+    if isinstance(flavor, str):
+        if flavor not in FLAVORS:
+            raise ValueError(f"model.flavor = {flavor!r} is unknown for qwen3_moe; allowed: {sorted(FLAVORS)}")
+        cfg = FLAVORS[flavor]
+    else:
+        cfg = flavor
+    return Qwen3MoeForCausalLM(replace(cfg, **overrides) if overrides else cfg, kernels)
