@@ -84,7 +84,8 @@ class Qwen3MoeConfig(Qwen3Config):
         fields = {f: getattr(dense, f) for f in Qwen3Config.__dataclass_fields__}
         return cls(
             **fields,
-            num_experts=d["num_experts"],
+            # transformers >= 5 renames num_experts to num_local_experts in to_dict()
+            num_experts=d["num_experts"] if "num_experts" in d else d["num_local_experts"],
             num_experts_per_tok=d["num_experts_per_tok"],
             moe_intermediate_size=d["moe_intermediate_size"],
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),

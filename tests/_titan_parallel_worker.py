@@ -1,6 +1,6 @@
 """Worker for tests/test_titan_parallel.py, run as
     torchrun --nproc_per_node=N tests/_titan_parallel_worker.py MODE OUT.json
-MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2),
+MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2), tp_moe (MoE at TP = world),
 trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data).
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
@@ -223,6 +223,54 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
         res["tp_after_step_logits_finite"] = bool(torch.isfinite(m(tok)).all())
 
 
+def run_tp_moe(res: dict) -> None:
+    """MoE (debug_moe, tp_leaves = 8) at TP = world: experts sharded like the dense MLP,
+    router replicated. Forward logits and routes vs the model file (= the rollout
+    engine's model), fp32 and bf16; routes replayed under TP are the forced ones."""
+    from dataclasses import replace as dc_replace
+
+    from titan_rl.models import qwen3_moe
+
+    pd = parallel_dims(1, dist.get_world_size())
+
+    def titan(dtype):
+        m = model_config("qwen3_moe", "debug_moe", "exact", tp_leaves=8, init_seed=SEED).build().init_weights()
+        with torch.no_grad():  # a decisive router, so routing varies across tokens
+            for layer in m.model.layers:
+                layer.mlp.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(SEED))
+        return m.to(dtype)
+
+    direct = qwen3_moe.build(dc_replace(qwen3_moe.FLAVORS["debug_moe"], tp_leaves=8))
+    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        ref = titan(dtype)
+        direct.load_state_dict(ref.state_dict())
+        direct.to(dtype)
+        tok = tokens(ref.cfg.vocab_size)
+        m = titan(dtype)
+        parallelize_qwen3(m, parallel_dims=pd)
+        with torch.no_grad():
+            want = direct(tok)
+            want_routes = [r.clone() for r in direct.last_routes]
+            got = m(tok)
+        res[f"moe_tp_{tag}_forward_equal"] = torch.equal(got, want)
+        res[f"moe_tp_{tag}_forward_maxdiff"] = maxdiff(got, want)
+        res[f"moe_tp_{tag}_routes_equal"] = all(torch.equal(a, b) for a, b in zip(m.last_routes, want_routes))
+        res[f"moe_tp_{tag}_distinct_routes"] = len({tuple(r) for r in want_routes[0].tolist()})
+    # replay under TP: a perturbed router still uses the forced experts
+    g = torch.Generator().manual_seed(SEED + 1)
+    forced = [torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tok.numel())]).to(torch.uint8)
+              for _ in m.model.layers]
+    with torch.no_grad():
+        for layer in m.model.layers:
+            w = layer.mlp.gate.weight
+            w = w.to_local() if isinstance(w, DTensor) else w  # FSDP over 1 rank: the full weight
+            w.add_(5 * torch.randn(w.shape, generator=g).to(w.dtype))
+        m.set_route_override(forced)
+        m(tok)
+    res["moe_tp_replay_forced"] = all(torch.equal(a, b) for a, b in zip(m.last_routes, forced))
+    m.set_route_override(None)
+
+
 # -- torchtitan's Trainer end to end (synthetic tokenizer and data: no downloads) ---------
 
 def run_trainer(res: dict) -> None:
@@ -348,6 +396,8 @@ def main() -> int:
             run_trainer(res)
         elif mode == "fsdp_tp":
             run_tp(res, dp_shard=2)
+        elif mode == "tp_moe":
+            run_tp_moe(res)
         else:
             raise ValueError(mode)
     except Exception:

@@ -65,6 +65,18 @@ def test_fsdp2_x_tp2_forward_is_bitwise_with_tp_leaves(tmp_path):
     _check_tp(r)
 
 
+def test_tp2_moe_forward_and_routes_are_bitwise(tmp_path):
+    """MoE at TP = 2 (experts sharded like the dense MLP, router replicated) == the model
+    file the rollout engine builds: logits and chosen experts, fp32 and bf16; replayed
+    routes are forced under TP even with a perturbed router."""
+    r = launch("tp_moe", 2, tmp_path)
+    for tag in ("fp32", "bf16"):
+        assert r[f"moe_tp_{tag}_forward_equal"], r[f"moe_tp_{tag}_forward_maxdiff"]
+        assert r[f"moe_tp_{tag}_routes_equal"]
+        assert r[f"moe_tp_{tag}_distinct_routes"] > 2  # routing varies, so equality means something
+    assert r["moe_tp_replay_forced"]
+
+
 def _check_tp(r: dict) -> None:
     # Exact: 8 fixed column blocks / K-leaves, TP vs one process, and vs the model file
     # itself computing its own leaf path (= the rollout engine's forward).

@@ -55,6 +55,11 @@ class RolloutConfig:
     max_num_batched_tokens: int = 0  # 0 = vLLM's default (no forced chunking)
     enable_prefix_caching: bool = True
     max_model_len: int = 1024
+    # MoE models: "off" = the trainer's router chooses (expert_disagreement is measured),
+    # "replay" = the trainer uses exactly the experts the sampler recorded.
+    router_replay: str = "off"
+
+    _choices = {"router_replay": ("off", "replay")}
 
 
 @dataclass
@@ -251,6 +256,11 @@ def validate(cfg: Config) -> None:
                           f"(got {leaves}; 8 covers TP 1/2/4/8) for the trainer to stay bitwise equal to the engine")
     if cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval}: must be >= 1")
+    if cfg.rollout.router_replay == "replay" and not cfg.model.checkpoint:
+        flavor_cfg = spec.flavors.get(cfg.model.flavor)
+        if getattr(flavor_cfg, "num_experts", 0) < 1:
+            raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
+                              f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")

@@ -56,11 +56,16 @@ def make_prompts(cfg: config_mod.Config, vocab: int, n: int, seed: int) -> list[
     return [torch.randint(2, vocab, (int(L),), generator=g).tolist() for L in lens]
 
 
-def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int):
+def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool = False):
     """Draws come from the engine's seeded RNG (LLM(seed=...)): per-request seeds cannot
     be combined with chunked prefill on vLLM 0.32's CPU runner (it rewinds generators
-    with set_offset, which CPU generators lack)."""
+    with set_offset, which CPU generators lack). routes=True (MoE): also record the
+    experts the engine chose for every computed position (titan_rl.vllm.routes)."""
+    import contextlib
+
     from vllm import SamplingParams
+
+    from titan_rl.vllm.routes import capture_routes
 
     s = cfg.sampling
     params = [
@@ -69,7 +74,9 @@ def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int):
                        logprobs=-1 if i < full_vocab else 0)
         for i in range(len(prompts))
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with capture_routes(llm) if routes else contextlib.nullcontext() as rec:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine_routes = rec.assemble(outs) if routes else {}
     samples = []
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
@@ -78,7 +85,10 @@ def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int):
         full = None
         if len(c.logprobs[0]) > 1:  # full-vocabulary record
             full = [torch.tensor([d[t].logprob for t in range(len(d))]) for d in c.logprobs]
-        samples.append({"prompt": prompt, "tokens": toks, "mu": mu, "full": full})
+        samples.append({"prompt": prompt, "tokens": toks, "mu": mu, "full": full,
+                        "routes": engine_routes.get(out.request_id)})
+    if routes:
+        samples[0]["route_bytes_per_token"] = rec.bytes_per_token
     return samples
 
 
@@ -96,8 +106,12 @@ def rescore(model, samples, batch_sizes):
         for r, seq in enumerate(seqs):
             batch[r, : len(seq)] = torch.tensor(seq)
         logp = log_softmax_fp32(model(batch))
+        own = getattr(model, "last_own_routes", None)  # MoE: the trainer router's choice
+        own = torch.stack(own, 1).view(len(seqs), L, len(own), -1) if own else None
         for r, s in enumerate(group):
             P, T = len(s["prompt"]), len(s["tokens"])
+            if own is not None:
+                s["trainer_routes"] = own[r, : P + T - 1]
             rows = logp[r, P - 1 : P - 1 + T]
             s["pi"] = rows.gather(-1, torch.tensor(s["tokens"])[:, None])[:, 0].tolist()
             s["entropy"] = (-(rows.exp() * rows).nansum(-1)).tolist()  # trainer's, at each position
@@ -115,6 +129,17 @@ def detail(samples) -> dict:
         "position": [i for s in samples for i in range(len(s["mu"]))],
         "entropy": [e for s in samples for e in s["entropy"]],
     }
+
+
+def expert_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Routes [N, layers, k] from two sides -> the fraction of (position, layer, slot)
+    choices of `a` that are not among `b`'s k experts there (order-free)."""
+    if a.shape != b.shape:
+        raise ValueError(f"route shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    hit = (a.long()[..., :, None] == b.long()[..., None, :]).any(-1)
+    return float(1.0 - hit.double().mean())
 
 
 def compare(samples, key_pi="pi") -> dict:
@@ -136,6 +161,11 @@ def compare(samples, key_pi="pi") -> dict:
         out["full_vocab_positions"] = sum(a.shape[0] for a, _ in fulls)
         out["full_vocab_max_abs_dlogp"] = float(dd.max())
         out["full_vocab_bitwise_fraction"] = float((dd == 0).double().mean())
+    if samples and samples[0].get("routes") is not None and "trainer_routes" in samples[0]:
+        eng = torch.cat([s["routes"] for s in samples])
+        out["routed_positions"] = int(eng.shape[0])
+        out["expert_disagreement"] = expert_disagreement(eng, torch.cat([s["trainer_routes"] for s in samples]))
+        out["route_bytes_per_token"] = samples[0]["route_bytes_per_token"]
     return out
 
 
@@ -156,7 +186,8 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print, wit
                    enable_prefix_caching=r.enable_prefix_caching)
     progress(f"[{engine}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
-    samples = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts)
+    is_moe = getattr(spec_config(cfg, folder), "num_experts", 0) > 0
+    samples = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=is_moe)
     t_roll = time.perf_counter() - t0
     progress(f"[{engine}] sampled {sum(len(s['tokens']) for s in samples)} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]
@@ -174,6 +205,7 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print, wit
         for s in samples:
             s["pi_stock"] = s.pop("pi")
             s.pop("pi_full", None)
+            s.pop("trainer_routes", None)
         rescore(ours, samples, cfg.parity.trainer_batch_sizes)
         unified = compare(samples)
         result["unified_vs_builtin_max_abs_dlogp"] = unified["max_abs_dlogp"]
@@ -185,7 +217,8 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print, wit
 
 def print_table(results: list[dict], file=sys.stdout) -> None:
     keys = ["tokens", "bitwise_fraction", "max_abs_dlogp", "mean_abs_dlogp", "k3_mean", "k3_max",
-            "full_vocab_max_abs_dlogp", "unified_vs_builtin_max_abs_dlogp"]
+            "full_vocab_max_abs_dlogp", "expert_disagreement", "route_bytes_per_token",
+            "unified_vs_builtin_max_abs_dlogp"]
     print(f"{'metric':34s}" + "".join(f"{r['engine']:>14s}" for r in results), file=file)
     for k in keys:
         if not any(k in r for r in results):

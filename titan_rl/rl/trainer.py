@@ -9,6 +9,7 @@ prompts and the same sampling seeds and logs the same metrics as an uninterrupte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -163,6 +164,7 @@ class RLTrainer(Trainer):
         self.corrections = rl.correction
         self._warned_exact = False
         self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
+        self.is_moe = hasattr(self.model, "set_route_override")
         tok = self.task.tokenizer
         vocab = self.model_parts[0].cfg.vocab_size
         if tok.vocab_size > vocab:
@@ -288,7 +290,7 @@ class RLTrainer(Trainer):
             mask[i, len(p) - 1 : len(p) - 1 + len(t)] = True
         t0 = time.perf_counter()
         logp = self._token_logprobs(batch)
-        loss = -(logp * mask).sum() / mask.sum()
+        loss = -(logp * mask).sum() / mask.sum() + self._aux_loss()
         loss.backward()
         grad_norm = self._optimizer_step()
         return {"phase": "sft", "loss": self._all_mean(float(loss.detach())), "grad_norm": grad_norm,
@@ -310,13 +312,16 @@ class RLTrainer(Trainer):
                     stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0,
                     seed=_seed(self.rl.training.seed, 3, self.step, self.dp_rank, i * a.group_size + g)))
         t0 = time.perf_counter()
-        kept = None
-        if s.mask_mode == "replay":
-            from titan_rl.vllm.sampling import capture_kept_sets
+        kept = routes = None
+        with contextlib.ExitStack() as stack:
+            if s.mask_mode == "replay":
+                from titan_rl.vllm.sampling import capture_kept_sets
 
-            with capture_kept_sets(self.engine) as ks:
-                outs = self.engine.generate(reqs, params, use_tqdm=False)
-        else:
+                ks = stack.enter_context(capture_kept_sets(self.engine))
+            if self.is_moe:  # always recorded: disagreement is measured even without replay
+                from titan_rl.vllm.routes import capture_routes
+
+                rec = stack.enter_context(capture_routes(self.engine))
             outs = self.engine.generate(reqs, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         rollouts, kept_rows = [], []
@@ -329,7 +334,10 @@ class RLTrainer(Trainer):
                 kept_rows.append(ks.kept_for(out.request_id, toks))
         if s.mask_mode == "replay":
             kept = (torch.cat(kept_rows), ks.total_bytes)
-        return rollouts, dt, kept
+        if self.is_moe:
+            by_id = rec.assemble(outs)
+            routes = ([by_id[o.request_id] for o in outs], rec.bytes_per_token)
+        return rollouts, dt, kept, routes
 
     def _set_phase_lr(self) -> None:
         """LR for this step = configured base x phase scale x schedule(step), recomputed
@@ -343,7 +351,7 @@ class RLTrainer(Trainer):
 
     def _rl_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
-        rollouts, t_roll, kept = self._rollout()
+        rollouts, t_roll, kept, routes = self._rollout()
         rewards = torch.tensor([self.task.reward(ex, toks) for ex, toks, _ in rollouts], dtype=torch.float32)
         adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
         seqs = [list(ex.prompt_ids) + toks for ex, toks, _ in rollouts]
@@ -357,6 +365,16 @@ class RLTrainer(Trainer):
             mu[i, P - 1 : P - 1 + len(toks)] = torch.tensor(m, dtype=torch.float32)
         loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
         metrics: dict = {}
+        engine_routes = None
+        if routes is not None:  # [B, T, layers, k], -1 where no position (padding, last token)
+            recs, bytes_per_token = routes
+            engine_routes = torch.full((B, T + 1, *recs[0].shape[1:]), -1, dtype=torch.int16)
+            for i, r in enumerate(recs):
+                engine_routes[i, : r.shape[0]] = r.to(torch.int16)
+            metrics["route_bytes_per_token"] = bytes_per_token
+            if self.rl.rollout.router_replay == "replay":
+                flat = engine_routes.view(B * (T + 1), *engine_routes.shape[2:])
+                self.model.set_route_override([flat[:, layer] for layer in range(flat.shape[1])])
         t = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         ref, weights, loss_mask = mu, None, mask
         for k in range(a.updates_per_batch):
@@ -365,10 +383,13 @@ class RLTrainer(Trainer):
             t1 = time.perf_counter()
             if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
                 metrics.update(self._mismatch(logp.detach()[mask].double(), mu[mask].double()))
+                if engine_routes is not None:
+                    metrics["expert_disagreement"] = self._expert_disagreement(engine_routes)
                 if enabled(self.corrections):
                     ref, weights, loss_mask, cstats = self._correct(logp.detach(), mu, mask, metrics)
                     metrics.update(cstats)
             loss, stats = policy_gradient_loss(logp, ref, adv, loss_mask, loss_cfg, weights=weights)
+            loss = loss + self._aux_loss()
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
                 metrics["policy_lag_log_ratio_abs_max"] = self._all_max(stats["log_ratio_abs_max"])
             t2 = time.perf_counter()
@@ -378,6 +399,8 @@ class RLTrainer(Trainer):
             t["forward"] += t1 - t0
             t["backward"] += t3 - t2
             t["optimizer"] += time.perf_counter() - t3
+        if self.is_moe:
+            self.model.set_route_override(None)
         t0 = time.perf_counter()
         same = self.sync_weights()
         t["weight_sync"] = time.perf_counter() - t0
@@ -410,6 +433,22 @@ class RLTrainer(Trainer):
             self._warned_exact = True
         cstats = {k: self._all_mean(v) for k, v in cstats.items()}
         return pi_old, weights, new_mask, cstats
+
+    def _aux_loss(self):
+        """MoE: router_aux_loss_coef x the load-balancing loss of the last forward; 0 otherwise."""
+        if not self.is_moe or self.model.aux_loss is None:
+            return 0.0
+        return self.model.cfg.router_aux_loss_coef * self.model.aux_loss
+
+    def _expert_disagreement(self, engine_routes: torch.Tensor) -> float:
+        """Sampler-recorded experts vs the trainer router's own choice at the same
+        positions (last forward), over the positions the sampler computed."""
+        from titan_rl.parity import expert_disagreement
+
+        B, L = engine_routes.shape[:2]
+        own = torch.stack(self.model.last_own_routes, 1).view(B, L, *engine_routes.shape[2:])
+        valid = engine_routes[:, :, 0, 0] >= 0
+        return self._all_mean(expert_disagreement(engine_routes[valid], own[valid]))
 
     def _mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
         d = pi - mu

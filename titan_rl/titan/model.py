@@ -41,6 +41,13 @@ TP_PLANS = {
         "colwise": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
         "rowwise": ("self_attn.o_proj", "mlp.down_proj"),
     },
+    # "*" matches every child (each expert is a qwen3 MLP, sharded like the dense one);
+    # the router gate stays replicated (every rank routes the same tokens identically).
+    "qwen3_moe": {
+        "colwise": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                    "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"),
+        "rowwise": ("self_attn.o_proj", "mlp.experts.*.down_proj"),
+    },
 }
 
 

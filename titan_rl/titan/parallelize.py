@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 
 from titan_rl.kernels import linear as exact_linear  # noqa: E402
-from titan_rl.titan.model import TP_PLANS, check_tp_degree, reclass  # noqa: E402
+from titan_rl.titan.model import check_tp_degree, reclass, tp_plan  # noqa: E402
 from titan_rl.titan.tp_linear import (  # noqa: E402
     _AllReduceSum,
     column_parallel_linear,
@@ -50,8 +50,30 @@ from titan_rl.titan.tp_linear import (  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-COLWISE = TP_PLANS["qwen3"]["colwise"]
-ROWWISE = TP_PLANS["qwen3"]["rowwise"]
+
+
+def _expand(layer: nn.Module, path: str) -> list[str]:
+    """A TP-plan path with "*" components -> the concrete submodule paths in `layer`."""
+    paths = [""]
+    for part in path.split("."):
+        if part == "*":
+            paths = [f"{p}.{n}" if p else n for p in paths for n, _ in layer.get_submodule(p).named_children()]
+        else:
+            paths = [f"{p}.{part}" if p else part for p in paths]
+    return paths
+
+
+def _model_plan(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The model's TP plan (titan.model.TP_PLANS / ArchitectureSpec.extra["tp_plan"])."""
+    arch = getattr(getattr(model, "titan_config", None), "arch", None)
+    if arch is None:  # a model built outside TorchTitan: the architecture whose module defines its class
+        from titan_rl.registry import _REGISTRY, _register_builtins
+
+        _register_builtins()
+        arch = next((n for n, spec in _REGISTRY.items() if spec.build.__module__ == type(model).__module__), None)
+        if arch is None:
+            raise ValueError(f"{type(model).__name__} is not a registered titan_rl architecture: no TP plan")
+    return tp_plan(arch)
 
 
 # -- tensor parallel ---------------------------------------------------------------------
@@ -141,18 +163,21 @@ def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
         check_tp_degree(cfg, tp, tp_leaves)
     if not tp_leaves:
         logger.warning("TP=%d with tp_leaves=0: logits are close to, not bitwise equal to, TP=1", tp)
+    plan = _model_plan(model)
     for layer in _decoder_layers(model):
-        for kind, paths in (("col", COLWISE), ("row", ROWWISE)):
+        colwise = [p for path in plan["colwise"] for p in _expand(layer, path)]
+        rowwise = [p for path in plan["rowwise"] for p in _expand(layer, path)]
+        for kind, paths in (("col", colwise), ("row", rowwise)):
             for path in paths:
                 got = getattr(layer.get_submodule(path), "kind", kind)
                 if got != kind:
                     raise ValueError(f"TP plan: {path} is {kind!r}-parallel but the model's Linear kind is {got!r}")
-        for path in COLWISE:
+        for path in colwise:
             lin = layer.get_submodule(path)
             _shard_param(lin, "weight", tp_mesh, 0)
             reclass(lin, ColwiseLinear)
             lin.tp_group, lin.tp_leaves = group, tp_leaves
-        for path in ROWWISE:
+        for path in rowwise:
             lin = layer.get_submodule(path)
             _shard_param(lin, "weight", tp_mesh, 1)
             reclass(lin, RowwiseLinear)

@@ -26,7 +26,7 @@ from titan_rl.titan.model import TitanModel  # noqa: E402
 from titan_rl.titan.parallelize import parallelize_qwen3  # noqa: E402
 from titan_rl.titan.state_dict import TitanStateDictAdapter  # noqa: E402
 
-PARALLELIZE_FNS = {"qwen3": parallelize_qwen3}
+PARALLELIZE_FNS = {"qwen3": parallelize_qwen3, "qwen3_moe": parallelize_qwen3}
 
 
 def model_config(arch_name: str = "qwen3", flavor: str = "debug", kernels: str = "exact",

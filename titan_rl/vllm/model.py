@@ -43,6 +43,9 @@ class TitanForCausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self._lm_head_fp32: torch.Tensor | None = None
+        # MoE models: called with (positions, per-layer routes) after each forward while
+        # titan_rl.vllm.routes.capture_routes is active (router replay).
+        self.route_sink = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -53,7 +56,10 @@ class TitanForCausalLM(nn.Module):
         def attn(i, q, k, v):
             return self.attn[i](q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)).view(q.shape)
 
-        return self._net.hidden_states(input_ids, positions, attn, inputs_embeds)
+        hidden = self._net.hidden_states(input_ids, positions, attn, inputs_embeds)
+        if self.route_sink is not None and getattr(self._net, "last_routes", None) is not None:
+            self.route_sink(positions, self._net.last_routes)
+        return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._lm_head_fp32 is None:

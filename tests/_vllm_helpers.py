@@ -1,0 +1,39 @@
+"""Shared helpers of the vLLM parity tests: generate, rescore in one batch, random prompts."""
+
+import torch
+from vllm import SamplingParams
+
+from titan_rl.kernels import log_softmax_fp32
+
+
+def _gen(llm, prompts, seeds=None, max_tokens=12):
+    seeds = seeds or [None] * len(prompts)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=s)
+              for s in seeds]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append((list(c.token_ids), torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                                    dtype=torch.float64), o.num_cached_tokens))
+    return res
+
+
+@torch.no_grad()
+def _trainer_logprobs(trainer, prompts, results):
+    """Score all sequences in ONE right-padded batch (another composition again)."""
+    seqs = [p + r[0] for p, r in zip(prompts, results)]
+    L = max(map(len, seqs))
+    batch = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        batch[i, : len(s)] = torch.tensor(s)
+    logp = log_softmax_fp32(trainer(batch))
+    out = []
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        rows = logp[i, len(p) - 1 : len(p) - 1 + len(r[0])]
+        out.append(rows.gather(-1, torch.tensor(r[0])[:, None])[:, 0].double())
+    return out
+
+
+def _prompts(rng, lens, vocab=1024):
+    return [torch.randint(2, vocab, (n,), generator=rng).tolist() for n in lens]
