@@ -208,3 +208,23 @@ def test_truncated_sampling_recompute_equals_replay_with_zero_mismatch(tmp_path)
     assert all(m["kept_set_bytes_per_token"] > 0 for m in runs["replay"])
     strip = lambda m: {k: v for k, v in _comparable(m).items() if k != "kept_set_bytes_per_token"}  # noqa: E731
     assert [strip(m) for m in runs["recompute"]] == [strip(m) for m in runs["replay"]]
+
+
+def test_moe_rl_router_replay_equals_own_routing_with_zero_mismatch(tmp_path):
+    """The MoE debug flavor: the sampler's recorded experts (replayed into the trainer) and
+    the trainer's own router agree everywhere, so replay on/off give the same run, with
+    log-prob mismatch 0 and expert disagreement 0 at every RL step."""
+    runs = {}
+    for mode in ("off", "replay"):
+        r = _train(tmp_path / mode, ["--config", "train_configs/rl_debug_moe.toml", "--training.steps=4",
+                                     "--lr_scheduler.warmup_steps=1", f"--rollout.router_replay={mode}",
+                                     "--checkpoint.enable=false"])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[mode] = [m for m in _metrics(tmp_path / mode) if m["phase"] == "rl"]
+    for m in runs["off"] + runs["replay"]:
+        assert m["max_abs_dlogp"] == 0.0 and m["expert_disagreement"] == 0.0 and m["weights_checksum_equal"]
+        assert m["route_bytes_per_token"] == 8  # 4 layers x top-2, uint8
+    assert len(runs["off"]) == 2
+    assert [_comparable(m) for m in runs["off"]] == [_comparable(m) for m in runs["replay"]]
+    with pytest.raises(config.ConfigError, match="router_replay"):
+        config.load(None, ['--rollout.router_replay="replay"'])  # the dense default has no router
