@@ -352,6 +352,9 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
         ("mean rollout tokens/s", _mean([r.get("rollout_tokens_per_s") for r in rl])),
         ("mean train tokens/s", _mean([r.get("train_tokens_per_s") for r in rows])),
     ]
+    ed = [r["expert_disagreement"] for r in rl if _finite(r.get("expert_disagreement"))]
+    if ed:
+        out.append(("max over steps of expert_disagreement (MoE)", max(ed)))
     checks = [r["weights_checksum_equal"] for r in rl if "weights_checksum_equal" in r]
     if checks:
         out.append(("weight sync checksum equal at every RL step", all(checks)))
@@ -387,6 +390,10 @@ def run_report(run_dir: str, rows: list[dict]) -> str:
         line_chart([("bitwise_fraction", _pts(rows, "bitwise_fraction", "rl"))],
                    "Fraction of tokens bitwise equal", "step", "bitwise_fraction (1 = all equal)",
                    ylim=(0.0, 1.0)),
+        *([line_chart([("expert_disagreement", _pts(rows, "expert_disagreement", "rl"))],
+                      "MoE expert disagreement per step (sampler vs trainer router)", "step",
+                      "share of expert choices", log=True, zero_means_equal=True)]
+          if any("expert_disagreement" in r for r in rl) else []),
         line_chart([("SFT", _pts(rows, "loss", "sft")), ("RL", _pts(rows, "loss", "rl"))],
                    "Loss (SFT warm-up, then RL policy gradient)", "step", "loss"),
         line_chart([("response_length", _pts(rows, "response_length", "rl"))],
@@ -415,6 +422,9 @@ PARITY_KEYS = [
     ("full_vocab_positions", "positions with the full vocabulary compared"),
     ("full_vocab_max_abs_dlogp", "max |pi - mu| over the whole vocabulary"),
     ("full_vocab_bitwise_fraction", "share of full-vocabulary entries equal"),
+    ("routed_positions", "MoE: positions whose experts were compared"),
+    ("expert_disagreement", "MoE: share of the sampler's expert choices the trainer's router did not make"),
+    ("route_bytes_per_token", "MoE: router-replay record size per token"),
     ("unified_vs_builtin_max_abs_dlogp", "our exact model vs vLLM's built-in one, max"),
     ("unified_vs_builtin_mean_abs_dlogp", "our exact model vs vLLM's built-in one, mean"),
     ("rollout_seconds", "sampling wall time (s)"),
