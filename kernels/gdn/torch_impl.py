@@ -1,0 +1,298 @@
+"""Gated delta rule (GDN, Qwen3-Next / Qwen3.5 linear attention) on CPU: the EXACT path.
+
+Per head, state S in R^{dk x dv} (fp32), for token t of one sequence:
+    S <- exp(g_t) * S                 g_t <= 0 (log decay), one scalar per (token, head)
+    u_t = beta_t * (v_t - S^T k_t)    beta_t in (0, 1), one scalar per (token, head)
+    S <- S + k_t u_t^T
+    o_t = scale * S^T q_t
+GQA: v head h reads q/k head h // (Hv // Hk) (repeat_interleave, as HF Qwen3-Next).
+
+Both engines run this same recurrent step for every token (trainer prefill, engine
+prefill, chunked prefill, decode), so a token's bits never depend on how the stream was
+cut into calls. Why each piece is invariant (docs/gdn.md):
+  * Inside the time loop there are only elementwise IEEE ops (mul, add, sub, div, sqrt,
+    torch.where): each is correctly rounded, so an element's result depends only on its
+    operands, never on its lane, the tensor's size, its layout or the thread split.
+  * The dk-reductions S^T k and S^T q are NOT torch.sum/matmul/einsum (their blocking and
+    thread split depend on sizes). The products S * k are reduced over dk by a fixed
+    pairwise halving tree of elementwise adds: with the state in its API layout
+    [.., dk, dv], each level adds two halves of whole contiguous dv-rows
+    (x[..., :h, :] + x[..., h:, :]); an output element is the same tree of adds over the
+    same operands whatever the layout, so no transposed copy of the state is needed (it
+    cost ~25% of a decode step). dk is zero-padded to a power of two (padding rows hold
+    exact +0 forever: +0 * a = +0, +0 + 0 * u = +0), so the tree depends on dk only.
+  * exp(g) is computed ONCE for all tokens before the loop, through `lane_stable`:
+    ATen's CPU loop runs full SIMD vectors through the vectorised (Sleef) function and the
+    tail of a buffer through the scalar std:: one, which can differ by an ulp, so a plain
+    call's bits can depend on an element's position and the tensor's size (measured for
+    sigmoid/silu/softplus on this CPU; not observed for exp, which goes through MKL VML,
+    but routed the same way so that no assumption about the build is needed).
+  * Sequences of different lengths are padded to [N, Lmax] and advanced together; once a
+    sequence has ended its state is kept by torch.where (an exact select), so its bits
+    never depend on its neighbours or on Lmax.
+  * Vectorised over sequences and heads; the only Python loop is over time steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LANES = 64  # lane_stable pads rows to a multiple of this (a multiple of every SIMD width)
+PIECE = 4096  # lane_stable calls fn on pieces of exactly this many elements (see there)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def lane_stable(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) (an elementwise function) with each element's bits independent of its position,
+    of the tensor's size and of the thread count. Returns fp32 (fp64 for fp64 input).
+
+    How: fn runs on an fp32 copy whose last dim is zero-padded to a multiple of LANES (so
+    every row starts at a lane-aligned offset), flattened and zero-padded to a multiple of
+    PIECE, one call of fn per piece of exactly PIECE contiguous elements. Each call is then
+    the same shape every time: it has no tail (every element goes through the vector
+    path), and ATen's parallel_for (grain 2048 for the VML ops, 32768 otherwise) either
+    keeps it on one thread or cuts it at PIECE/2 = 2048, again lane-aligned. Differentiable
+    (autograd through the pieces); fn(0) must be finite-or-harmless (it is sliced off)."""
+    if x.dtype == torch.float64:  # not an exactness path (used by fp64 gradchecks)
+        return fn(x)
+    xf = x.float()
+    shape = xf.shape
+    if xf.numel() == 0:
+        return fn(xf)
+    last = shape[-1] if xf.dim() else 1
+    x2 = xf.reshape(-1, last)
+    width = -(-last // LANES) * LANES
+    if width != last:
+        x2 = F.pad(x2, (0, width - last))
+    flat = x2.reshape(-1)
+    n = flat.numel()
+    pad = (-n) % PIECE
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    outs = [fn(flat[i:i + PIECE]) for i in range(0, flat.numel(), PIECE)]
+    y = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return y[:n].reshape(-1, width)[:, :last].reshape(shape)
+
+
+def tree_sum_last(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by a fixed pairwise halving tree of
+    elementwise adds: the bits depend on the values and the length only."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"tree_sum_last needs a power-of-two last dim, got {n}")
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim -2 (a power of two) by the same fixed halving tree, keepdim: each level
+    adds two halves elementwise (x[..., :h, :] + x[..., h:, :], whole contiguous rows), so
+    it is as exact-by-construction as tree_sum_last and needs no transposed copy of the
+    [.., dk, dv] state."""
+    n = x.shape[-2]
+    if n & (n - 1):
+        raise ValueError(f"tree_sum_rows needs a power-of-two dim -2, got {n}")
+    while x.shape[-2] > 1:
+        h = x.shape[-2] // 2
+        x = x[..., :h, :] + x[..., h:, :]
+    return x
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (fp64 stays fp64). Row-wise
+    invariant by construction: squares, the halving-tree sum (last dim zero-padded to a
+    power of two; zeros add exactly) and sqrt/div are elementwise IEEE ops."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    d = xf.shape[-1]
+    sq = xf * xf
+    p = _next_pow2(d)
+    if p != d:
+        sq = F.pad(sq, (0, p - d))
+    return xf / torch.sqrt(tree_sum_last(sq) + eps)[..., None]
+
+
+def _lengths(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, list[int]]:
+    cu = cu_seqlens.long()
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError("cu_seqlens must be 1-D with N+1 entries")
+    lens = cu[1:] - cu[:-1]
+    lens_l = lens.tolist()
+    if int(cu[0]) != 0 or int(cu[-1]) != T or any(n < 0 for n in lens_l):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu.tolist()}")
+    return cu, lens_l
+
+
+def _check(q, k, v, g, beta):
+    T, Hk, dk = q.shape
+    if k.shape != q.shape or v.dim() != 3 or v.shape[0] != T:
+        raise ValueError(f"q, k [T, Hk, dk], v [T, Hv, dv]: got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    Hv = v.shape[1]
+    if Hv % Hk:
+        raise ValueError(f"num_v_heads {Hv} is not a multiple of num_k_heads {Hk}")
+    if g.shape != (T, Hv) or beta.shape != (T, Hv):
+        raise ValueError(f"g, beta must be [T, Hv] = {(T, Hv)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+
+
+def compute_dtype(v: torch.Tensor) -> torch.dtype:
+    """fp32 state and arithmetic; fp64 only for fp64 inputs (gradchecks)."""
+    return torch.float64 if v.dtype == torch.float64 else torch.float32
+
+
+def _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    _check(q, k, v, g, beta)
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    cdt = compute_dtype(v)
+    cu, lens_l = _lengths(cu_seqlens, T)
+    N = len(lens_l)
+    dkp = _next_pow2(dk)
+    # State [N, Hv, dkp, dv] (the API layout, dk zero-padded to a power of two).
+    if initial_state is None:
+        S = torch.zeros(N, Hv, dkp, dv, dtype=cdt, device=v.device)
+    else:
+        if initial_state.shape != (N, Hv, dk, dv):
+            raise ValueError(f"initial_state must be {(N, Hv, dk, dv)}, got {tuple(initial_state.shape)}")
+        S = initial_state.to(cdt)  # never written in place
+        if dkp != dk:
+            S = F.pad(S, (0, 0, 0, dkp - dk))
+    Lmax = max(lens_l, default=0)
+    if Lmax == 0:
+        return v.new_empty(T, Hv, dv), S[..., :dk, :].clone()
+    Lmin = min(lens_l)
+    lens = torch.tensor(lens_l, device=v.device)
+    a = lane_stable(torch.exp, g.to(cdt))  # ONCE, before the loop (see module docstring)
+
+    pos = torch.arange(Lmax, device=v.device)
+    valid = pos[None, :] < lens[:, None]  # [N, Lmax]
+    idx = (cu[:-1, None] + pos[None, :]).clamp(max=T - 1).t()  # [Lmax, N], time-major
+    head = torch.arange(Hv, device=v.device) // (Hv // Hk)
+
+    def per_head_padded(x):  # [T, Hk, dk] -> [T, Hv, dkp, 1] in cdt
+        x = x.to(cdt)[:, head]
+        return (F.pad(x, (0, dkp - dk)) if dkp != dk else x)[..., None]
+
+    Q = per_head_padded(q)[idx]  # [Lmax, N, Hv, dkp, 1]
+    K = per_head_padded(k)[idx]
+    V = v.to(cdt)[idx][:, :, :, None, :]  # [Lmax, N, Hv, 1, dv]
+    A = a[idx][..., None, None]  # [Lmax, N, Hv, 1, 1]
+    B = beta.to(cdt)[idx][..., None, None]  # [Lmax, N, Hv, 1, 1]
+    keep = valid.t()[:, :, None, None, None]  # [Lmax, N, 1, 1, 1]
+    outs = []
+    for t in range(Lmax):
+        kt = K[t]
+        Sd = S * A[t]  # decay
+        kS = tree_sum_rows(Sd * kt)  # S^T k: [N, Hv, 1, dv]
+        u = B[t] * (V[t] - kS)
+        Sn = Sd + kt * u  # S + k u^T (mul then add: no FMA)
+        outs.append(tree_sum_rows(Sn * Q[t]) * scale)  # scale * S^T q
+        # A sequence that has ended keeps its state (exact select); skipped while all run.
+        S = Sn if t < Lmin else torch.where(keep[t], Sn, S)
+    O = torch.stack(outs, 1)[:, :, :, 0]  # [N, Lmax, Hv, dv]
+    return O[valid].to(v.dtype), (S[..., :dk, :].contiguous() if dkp != dk else S)
+
+
+class _GDNRecurrent(torch.autograd.Function):
+    """Forward: the exact recurrent kernel (bits unchanged). Backward: recompute the op
+    with the chunkwise-parallel form (gdn_chunked) under autograd and backpropagate
+    through it, as the attention backward recomputes with SDPA. Only the forward has to
+    be invariant; the gradient is the same function's, up to rounding."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size):
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+    @staticmethod
+    def backward(ctx, go, gs):
+        from titan_rl.kernels.gdn.chunked import gdn_chunked
+
+        q, k, v, g, beta, cu, init = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        with torch.enable_grad():
+            xs = [t.detach().requires_grad_(bool(need[i])) if t is not None else None
+                  for i, t in enumerate((q, k, v, g, beta, None, init))]
+            o, fs = gdn_chunked(xs[0], xs[1], xs[2], xs[3], xs[4], cu, xs[6], ctx.scale, ctx.chunk_size)
+            outs, grads = [], []
+            for y, gy in ((o, go), (fs, gs)):
+                if gy is not None:
+                    outs.append(y)
+                    grads.append(gy.to(y.dtype))
+            wrt = [x for i, x in enumerate(xs) if x is not None and need[i]]
+            got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True)) if wrt and outs else iter(())
+            res = []
+            for i, x in enumerate(xs):
+                gr = next(got) if (x is not None and need[i] and outs) else None
+                if gr is None and x is not None and need[i]:
+                    gr = torch.zeros_like(x)
+                res.append(gr)
+        return (*res, None, None)
+
+
+def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, chunk_size=64):
+    """The exact GDN op over a flat varlen stream (both engines, prefill and decode).
+
+    q, k [T, Hk, dk]; v [T, Hv, dv] (Hv a multiple of Hk); g (log decay, <= 0), beta
+    [T, Hv] (any float dtype, used in fp32); cu_seqlens int [N+1] rising from 0 to T
+    (sequences of length 0 are allowed: their final state is their initial state);
+    initial_state [N, Hv, dk, dv] (any float dtype, used in fp32) or None (zeros).
+    Returns (o [T, Hv, dv] in v's dtype, final_state [N, Hv, dk, dv] fp32). scale
+    defaults to dk**-0.5. fp64 inputs compute in fp64 (for gradchecks; not an exactness
+    path). Differentiable w.r.t. q, k, v, g, beta and initial_state; the backward is
+    gdn_chunked's (chunk_size is used only there)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    args = (q, k, v, g, beta, initial_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
+        return _GDNRecurrent.apply(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size)
+    return _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
+    """Depthwise causal conv over the flat varlen stream, NO activation (the caller applies
+    silu, through lane_stable).
+
+    x [T, C]; weight [C, K] or [C, 1, K] (HF/vLLM conv1d.weight); initial_state
+    [N, C, K-1] (the K-1 inputs before each sequence's first token, oldest first) or None
+    (zeros). y_t = sum_{i=0..K-1} w[:, i] * x_{t-K+1+i}, products and sums in fp32 in the
+    fixed order i = 0..K-1 (elementwise IEEE ops only, so invariant), cast to x's dtype.
+    Returns (y [T, C], final_state [N, C, K-1] fp32: each sequence's last K-1 inputs,
+    including initial-state ones when it is shorter than K-1; length 0 keeps its state).
+    Vectorised over T; differentiable w.r.t. x, weight and initial_state."""
+    if weight.dim() == 3:
+        weight = weight[:, 0]
+    T, C = x.shape
+    K = weight.shape[-1]
+    H = K - 1
+    cdt = compute_dtype(x)
+    cu, lens_l = _lengths(cu_seqlens, T)
+    N = len(lens_l)
+    dev = x.device
+    lens = torch.tensor(lens_l, device=dev, dtype=torch.long)
+    # Extended stream: each sequence's K-1 history entries, then its tokens.
+    seq = torch.repeat_interleave(torch.arange(N, device=dev), lens)
+    tok_e = torch.arange(T, device=dev) + (seq + 1) * H  # [T]
+    ext = torch.zeros(T + N * H, C, dtype=cdt, device=dev)
+    ext = ext.index_put((tok_e,), x.to(cdt))
+    if initial_state is not None and H:
+        if initial_state.shape != (N, C, H):
+            raise ValueError(f"initial_state must be {(N, C, H)}, got {tuple(initial_state.shape)}")
+        init_e = (cu[:-1] + torch.arange(N, device=dev) * H)[:, None] + torch.arange(H, device=dev)
+        ext = ext.index_put((init_e.reshape(-1),), initial_state.to(cdt).transpose(1, 2).reshape(N * H, C))
+    w = weight.to(cdt)
+    y = None
+    for i in range(K):  # fixed order i = 0..K-1
+        term = ext[tok_e - H + i] * w[:, i]
+        y = term if y is None else y + term
+    if y is None:
+        y = ext[tok_e]
+    end_e = cu[1:] + torch.arange(1, N + 1, device=dev) * H  # one past each sequence's last entry
+    fin_e = end_e[:, None] - H + torch.arange(H, device=dev)  # [N, H]
+    final = ext[fin_e.reshape(-1)].reshape(N, H, C).transpose(1, 2).contiguous()
+    return y.to(x.dtype), final
