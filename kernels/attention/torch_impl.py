@@ -136,21 +136,45 @@ def attention_paged(
     q [T, H, D] (flat); kv_cache [num_pages, Hkv, 2, page, D] (keys then values of a
     page and head side by side: vLLM's CPU layout); query_start_loc [S+1]; seq_lens [S]
     (KV length including this step's tokens); block_table [S, max_pages]. The queries
-    of sequence s are its last (qlen) positions. Returns [T, H, D]."""
+    of sequence s are its last (qlen) positions. Returns [T, H, D].
+
+    Decodes (one query) and prefill chunks are computed in two groups: the core pads
+    every sequence of a call to the longest query and the longest KV, so a decode batched
+    with a 200-token prefill would pay for 200 rows. A row's bits do not depend on how
+    many rows, blocks or sequences share a call (the invariance the core already relies
+    on, pinned by the parity tests), so grouping changes no bits."""
+    T, H, D = q.shape
+    page = kv_cache.shape[3]
+    assert page % BLOCK == 0, f"KV page size {page} must be a multiple of the attention block {BLOCK}"
+    result = q.new_empty(T, H, D)
+    S = seq_lens.shape[0]
+    if S == 0:
+        return result
+    qsl = query_start_loc.long()
+    starts, qlens = qsl[:-1], qsl[1:] - qsl[:-1]
+    decode = qlens == 1
+    groups = [decode, ~decode] if bool(decode.any()) and not bool(decode.all()) else [None]
+    for sel in groups:
+        if sel is None:
+            _paged_group(q, kv_cache, starts, qlens, seq_lens.long(), block_table, scale, result)
+        else:
+            _paged_group(q, kv_cache, starts[sel], qlens[sel], seq_lens.long()[sel], block_table[sel], scale, result)
+    return result
+
+
+def _paged_group(q, kv_cache, starts, qlens, seq_lens, block_table, scale, result) -> None:
+    """attention_paged for the sequences given (their query starts and lengths in the flat
+    stream), written into `result`'s rows of those queries."""
     T, H, D = q.shape
     hkv, page = kv_cache.shape[1], kv_cache.shape[3]
-    assert page % BLOCK == 0, f"KV page size {page} must be a multiple of the attention block {BLOCK}"
     S = seq_lens.shape[0]
-    seq_lens = seq_lens.long()
-    qsl = query_start_loc.long()
-    qlens = qsl[1:] - qsl[:-1]
-    Q = int(qlens.max()) if S else 0
-    max_kv = int(seq_lens.max()) if S else 0
+    Q = int(qlens.max())
+    max_kv = int(seq_lens.max())
     n_pages = -(-max_kv // page)
     nb = -(-max_kv // BLOCK)  # blocks actually needed (pages may hold more)
     # Gather queries into [S, Q, H, D] (pad rows get position -1).
     ar = torch.arange(Q, device=q.device)
-    idx = (qsl[:-1, None] + ar[None, :]).clamp(max=T - 1)
+    idx = (starts[:, None] + ar[None, :]).clamp(max=T - 1)
     qvalid = ar[None, :] < qlens[:, None]
     q_pos = torch.where(qvalid, seq_lens[:, None] - qlens[:, None] + ar[None, :], -1)
     # Gather pages (one contiguous index for keys and values), then one fp32 copy into
@@ -168,6 +192,4 @@ def attention_paged(
     rows, pos = _to_rows(q[idx], q_pos, hkv)
     out = _blocked_core(rows, kb, vb, pos, seq_lens, scale)
     out = _from_rows(out, S, Q, H, D, hkv, q.dtype)  # [S, Q, H, D]
-    result = q.new_empty(T, H, D)
     result[idx[qvalid]] = out[qvalid]
-    return result
