@@ -85,3 +85,22 @@ def _register_builtins() -> None:
         hf_architecture="Qwen3MoeForCausalLM",
     ))
     # -- hybrid (GDN linear attention + full attention) --
+    from titan_rl.models import qwen3_hybrid
+
+    def parallelize_hybrid(model, *, parallel_dims, **kwargs):  # TorchTitan's parallelize_fn: FSDP2, no TP
+        from titan_rl.titan.parallelize import parallelize_qwen3
+
+        qwen3_hybrid.check_tensor_parallel(parallel_dims.tp)
+        return parallelize_qwen3(model, parallel_dims=parallel_dims, **kwargs)
+
+    register_architecture(ArchitectureSpec(
+        name="qwen3_hybrid",
+        build=qwen3_hybrid.build,
+        flavors=qwen3_hybrid.FLAVORS,
+        config_from_hf=qwen3_hybrid.Qwen3HybridConfig.from_hf,
+        config_to_hf=lambda cfg, arch: cfg.hf_config(arch),
+        vllm_architecture="TitanQwen3HybridForCausalLM",
+        hf_architecture="TitanQwen3HybridForCausalLM",  # no stock implementation with these weights
+        vllm_class="titan_rl.vllm.hybrid:TitanHybridForCausalLM",
+        extra={"recurrent_state": True, "titan_parallelize_fn": parallelize_hybrid},
+    ))

@@ -34,6 +34,9 @@ def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: 
     from vllm import LLM
 
     spec = get_architecture(arch)
+    if engine == "stock" and spec.hf_architecture == spec.vllm_architecture:
+        raise ValueError(f"engine = 'stock' is not available for {arch!r}: vLLM has no built-in implementation "
+                         "of it (hf_architecture is our own wrapper); use engine = 'exact'")
     if logprobs_mode == "processed_logprobs" and engine == "exact":
         from titan_rl.vllm.sampling import install
 
@@ -46,6 +49,10 @@ def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: 
     )
     if max_num_batched_tokens is not None:
         kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+    if spec.extra.get("recurrent_state") and enable_prefix_caching:
+        # Recurrent (linear-attention) states are prefix-cached only in mamba cache mode
+        # "align" (states checkpointed at block boundaries), which needs chunked prefill.
+        kwargs.update(mamba_cache_mode="align", enable_chunked_prefill=True)
     if block_size is not None:
         kwargs.update(block_size=block_size)
     return LLM(**kwargs)

@@ -23,29 +23,38 @@ from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.attention import TitanAttentionBackend
 
 
+def _attention(cfg, vllm_config: VllmConfig, prefix: str, layer: int) -> Attention:
+    """vLLM's attention layer for model layer `layer`, with our backend over the paged cache."""
+    d = cfg.head_dim
+    return Attention(cfg.num_attention_heads, d, 1.0 / math.sqrt(d), num_kv_heads=cfg.num_key_value_heads,
+                     cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{layer}.self_attn.attn",
+                     attn_backend=TitanAttentionBackend)
+
+
 class TitanForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        hf = vllm_config.model_config.hf_config
-        spec = architecture_for_vllm(hf.architectures[0])
-        cfg = spec.config_from_hf(hf.to_dict())
-        dtype = vllm_config.model_config.dtype
-        # Refuse exact mode on a platform whose GEMMs break the invariance we rely on.
-        check_platform(dtype, head_dim=getattr(cfg, "head_dim", 128))  # refuse exact mode on a platform that breaks invariance
-        net = spec.build(cfg, kernels="exact")
-        self.cfg = cfg
-        self.model, self.lm_head = net.model, net.lm_head  # adopt: names stay model.* / lm_head.*
-        object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
-        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.attn = nn.ModuleList(
-            Attention(h, d, 1.0 / math.sqrt(d), num_kv_heads=hkv, cache_config=vllm_config.cache_config,
-                      prefix=f"{prefix}model.layers.{i}.self_attn.attn", attn_backend=TitanAttentionBackend)
-            for i in range(cfg.num_hidden_layers)
-        )
-        self._lm_head_fp32: torch.Tensor | None = None
+        cfg = self._adopt(vllm_config)
+        self.attn = nn.ModuleDict({str(i): _attention(cfg, vllm_config, prefix, i)
+                                   for i in range(cfg.num_hidden_layers)})
         # MoE models: called with (positions, per-layer routes) after each forward while
         # titan_rl.vllm.routes.capture_routes is active (router replay).
         self.route_sink = None
+
+    def _adopt(self, vllm_config: VllmConfig):
+        """Build the ONE model definition from the engine's config.json and adopt its
+        submodules (names stay model.* / lm_head.*). Returns the architecture config."""
+        hf = vllm_config.model_config.hf_config
+        spec = architecture_for_vllm(hf.architectures[0])
+        cfg = spec.config_from_hf(hf.to_dict())
+        # Refuse exact mode on a platform whose GEMMs break the invariance we rely on.
+        check_platform(vllm_config.model_config.dtype, head_dim=getattr(cfg, "head_dim", 128))
+        net = spec.build(cfg, kernels="exact")
+        self.cfg = cfg
+        self.model, self.lm_head = net.model, net.lm_head
+        object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
+        self._lm_head_fp32: torch.Tensor | None = None
+        return cfg
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -54,7 +63,7 @@ class TitanForCausalLM(nn.Module):
         T = positions.shape[0]
 
         def attn(i, q, k, v):
-            return self.attn[i](q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)).view(q.shape)
+            return self.attn[str(i)](q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)).view(q.shape)
 
         hidden = self._net.hidden_states(input_ids, positions, attn, inputs_embeds)
         if self.route_sink is not None and getattr(self._net, "last_routes", None) is not None:
