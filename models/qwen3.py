@@ -257,10 +257,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, layer_idx: int, ops: Ops):
+    """Pre-norm attention + MLP block. `mlp`: another row-wise block in the MLP's place
+    (the MoE model passes its routed one)."""
+
+    def __init__(self, cfg: Qwen3Config, layer_idx: int, ops: Ops, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg, ops) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -270,19 +273,22 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops: Ops):
+    def __init__(self, cfg: Qwen3Config, ops: Ops, make_layer: Callable[[Qwen3Config, int, Ops], nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class Qwen3ForCausalLM(nn.Module):
+    # (cfg, layer_idx, ops) -> decoder layer; the MoE and hybrid models name their own.
+    make_layer = DecoderLayer
+
     def __init__(self, cfg: Qwen3Config, kernels: str = "exact"):
         super().__init__()
         self.cfg = cfg.validate()
         self.ops = Ops(kernels, cfg.tp_leaves)
-        self.model = Backbone(cfg, self.ops)
+        self.model = Backbone(cfg, self.ops, type(self).make_layer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -319,25 +319,10 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridBackbone(nn.Module):
-    def __init__(self, cfg: Qwen3HybridConfig, ops: Ops):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-
-
 class Qwen3HybridForCausalLM(Qwen3ForCausalLM):
-    """qwen3's LM (logits, the trainer's forward) over a hybrid backbone."""
+    """qwen3's LM (construction, logits, the trainer's forward) over hybrid layers."""
 
-    def __init__(self, cfg: Qwen3HybridConfig, kernels: str = "exact"):
-        nn.Module.__init__(self)
-        self.cfg = cfg.validate()
-        self.ops = Ops(kernels, cfg.tp_leaves)
-        self.model = HybridBackbone(cfg, self.ops)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    make_layer = HybridDecoderLayer
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3HybridForCausalLM":
         """qwen3's init, then GDN-specific values: A = exp(A_log) ~ U(1, 16) and dt_bias =

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk
-from titan_rl.models.qwen3 import MLP, Attention, AttentionFn, Linear, Ops, Qwen3Config, Qwen3ForCausalLM, RMSNorm
+from titan_rl.models.qwen3 import MLP, AttentionFn, DecoderLayer, Linear, Ops, Qwen3Config, Qwen3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -129,42 +129,20 @@ class SparseMoeBlock(nn.Module):
         return moe_experts(x, ids, weights, self.experts)
 
 
-class MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, ops: Ops):
-        super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, ops)
-        self.mlp = SparseMoeBlock(cfg, ops)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-
-    def forward(self, x, positions, attn: AttentionFn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class MoeBackbone(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, ops: Ops):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+def moe_decoder_layer(cfg: Qwen3MoeConfig, layer_idx: int, ops: Ops) -> DecoderLayer:
+    """qwen3's decoder layer with the routed block in the MLP's place."""
+    return DecoderLayer(cfg, layer_idx, ops, mlp=SparseMoeBlock(cfg, ops))
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """qwen3.Qwen3ForCausalLM with MoE layers; hidden_states/logits/forward/init_weights
-    are inherited (same signatures, same kernels)."""
+    """qwen3.Qwen3ForCausalLM with MoE layers; __init__/hidden_states/logits/forward/
+    init_weights are qwen3's (same signatures, same kernels)."""
 
-    def __init__(self, cfg: Qwen3MoeConfig, kernels: str = "exact"):
-        nn.Module.__init__(self)
-        self.cfg = cfg.validate()
-        self.ops = Ops(kernels, cfg.tp_leaves)
-        self.model = MoeBackbone(cfg, self.ops)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.aux_loss: torch.Tensor | None = None
-        self.last_routes: list[torch.Tensor] | None = None
-        self.last_own_routes: list[torch.Tensor] | None = None
+    make_layer = staticmethod(moe_decoder_layer)
+    # set by every forward (hidden_states)
+    aux_loss: torch.Tensor | None = None
+    last_routes: list[torch.Tensor] | None = None
+    last_own_routes: list[torch.Tensor] | None = None
 
     def set_route_override(self, routes: list[torch.Tensor] | None) -> None:
         """Per layer [T, k] expert ids for the next forwards over T flat tokens (None:

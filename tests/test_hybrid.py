@@ -212,7 +212,7 @@ def test_config_accepts_the_hybrid():
 
 # -- vLLM: trainer log-probs == sampler log-probs --------------------------------------------
 
-from test_vllm_parity import _gen, _prompts, _trainer_logprobs  # noqa: E402
+from _vllm_helpers import _gen, _prompts, _trainer_logprobs  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
