@@ -48,6 +48,9 @@ if IN_PROCESS:
     # these modules were imported before the variable was set, re-decorate them.
     mm, rn, attn = (importlib.reload(m) for m in (mm, rn, attn))
     lm = importlib.reload(lm)  # after mm: it binds mm.linear
+    from _triton_interp import pin_interpreter_dot
+
+    pin_interpreter_dot()  # tl.dot without the host BLAS's row-position dependence
 
 
 def _restore_env():

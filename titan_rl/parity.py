@@ -215,7 +215,8 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print, wit
     return result
 
 
-def print_table(results: list[dict], file=sys.stdout) -> None:
+def print_table(results: list[dict], file=None) -> None:
+    file = sys.stdout if file is None else file  # looked up at call time (capture, redirection)
     keys = ["tokens", "bitwise_fraction", "max_abs_dlogp", "mean_abs_dlogp", "k3_mean", "k3_max",
             "full_vocab_max_abs_dlogp", "expert_disagreement", "route_bytes_per_token",
             "unified_vs_builtin_max_abs_dlogp"]
