@@ -341,11 +341,16 @@ class Qwen3ForCausalLM(nn.Module):
         return self.logits(h).view(B, L, -1)
 
 
-def build(flavor: str | Qwen3Config, kernels: str = "exact", **overrides) -> Qwen3ForCausalLM:
+def resolve_config(flavor, flavors: dict, arch: str, config_type: type = Qwen3Config, **overrides):
+    """A flavor name or a config object (+ field overrides) -> the config to build."""
     if isinstance(flavor, str):
-        if flavor not in FLAVORS:
-            raise ValueError(f"model.flavor = {flavor!r} is unknown for qwen3; allowed: {sorted(FLAVORS)}")
-        cfg = FLAVORS[flavor]
-    else:
-        cfg = flavor
-    return Qwen3ForCausalLM(replace(cfg, **overrides) if overrides else cfg, kernels)
+        if flavor not in flavors:
+            raise ValueError(f"model.flavor = {flavor!r} is unknown for {arch}; allowed: {sorted(flavors)}")
+        flavor = flavors[flavor]
+    if not isinstance(flavor, config_type):
+        raise TypeError(f"{arch} needs a {config_type.__name__}, got {type(flavor).__name__}")
+    return replace(flavor, **overrides) if overrides else flavor
+
+
+def build(flavor: str | Qwen3Config, kernels: str = "exact", **overrides) -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(resolve_config(flavor, FLAVORS, "qwen3", **overrides), kernels)

@@ -50,7 +50,7 @@ Tensor parallelism (tp_leaves, TP) is not supported for this architecture.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 import torch
@@ -67,6 +67,7 @@ from titan_rl.models.qwen3 import (
     Qwen3Config,
     Qwen3ForCausalLM,
     RMSNorm,
+    resolve_config,
 )
 
 # The GDN kernel reduces over dk with a power-of-two halving tree (other sizes are padded)
@@ -353,15 +354,8 @@ class Qwen3HybridForCausalLM(Qwen3ForCausalLM):
 
 
 def build(flavor: str | Qwen3HybridConfig, kernels: str = "exact", **overrides) -> Qwen3HybridForCausalLM:
-    if isinstance(flavor, str):
-        if flavor not in FLAVORS:
-            raise ValueError(f"model.flavor = {flavor!r} is unknown for qwen3_hybrid; allowed: {sorted(FLAVORS)}")
-        cfg = FLAVORS[flavor]
-    else:
-        cfg = flavor
-    if not isinstance(cfg, Qwen3HybridConfig):
-        raise TypeError(f"qwen3_hybrid.build needs a Qwen3HybridConfig, got {type(cfg).__name__}")
-    return Qwen3HybridForCausalLM(replace(cfg, **overrides) if overrides else cfg, kernels)
+    cfg = resolve_config(flavor, FLAVORS, "qwen3_hybrid", Qwen3HybridConfig, **overrides)
+    return Qwen3HybridForCausalLM(cfg, kernels)
 
 
 def check_tensor_parallel(tp: int) -> None:

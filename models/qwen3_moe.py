@@ -32,7 +32,9 @@ import torch
 from torch import nn
 
 from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk
-from titan_rl.models.qwen3 import MLP, AttentionFn, DecoderLayer, Linear, Ops, Qwen3Config, Qwen3ForCausalLM
+from titan_rl.models.qwen3 import (
+    MLP, AttentionFn, DecoderLayer, Linear, Ops, Qwen3Config, Qwen3ForCausalLM, resolve_config,
+)
 
 
 @dataclass(frozen=True)
@@ -167,10 +169,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
 
 def build(flavor: str | Qwen3MoeConfig, kernels: str = "exact", **overrides) -> Qwen3MoeForCausalLM:
-    if isinstance(flavor, str):
-        if flavor not in FLAVORS:
-            raise ValueError(f"model.flavor = {flavor!r} is unknown for qwen3_moe; allowed: {sorted(FLAVORS)}")
-        cfg = FLAVORS[flavor]
-    else:
-        cfg = flavor
-    return Qwen3MoeForCausalLM(replace(cfg, **overrides) if overrides else cfg, kernels)
+    return Qwen3MoeForCausalLM(resolve_config(flavor, FLAVORS, "qwen3_moe", Qwen3MoeConfig, **overrides), kernels)
