@@ -401,6 +401,7 @@ class RLTrainer(Trainer):
             t["optimizer"] += time.perf_counter() - t3
         if self.is_moe:
             self.model.set_route_override(None)
+            metrics["aux_loss"] = self._all_mean(float(self.model.aux_loss.detach()))  # included in "loss"
         t0 = time.perf_counter()
         same = self.sync_weights()
         t["weight_sync"] = time.perf_counter() - t0
