@@ -1,5 +1,7 @@
 """Shared helpers of the vLLM parity tests: generate, rescore in one batch, random prompts."""
 
+import os
+
 import torch
 from vllm import SamplingParams
 
@@ -37,3 +39,19 @@ def _trainer_logprobs(trainer, prompts, results):
 
 def _prompts(rng, lens, vocab=1024):
     return [torch.randint(2, vocab, (n,), generator=rng).tolist() for n in lens]
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def random_checkpoint(tmp_path_factory, make_model, dtype: str, arch: str = "qwen3"):
+    """Fresh random weights (seed drawn from the OS, printed) saved as a local HF folder in
+    `dtype`, and the exact trainer-side model loaded from it: (folder, trainer).
+    make_model(seed) -> model with initialised weights."""
+    from titan_rl.checkpoint import load_hf_folder, save_hf_folder
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"weights seed={seed}")
+    folder = str(tmp_path_factory.mktemp(f"{arch}_{dtype}"))
+    save_hf_folder(make_model(seed), folder, dtype=DTYPES[dtype])
+    return folder, load_hf_folder(folder, kernels="exact", dtype=DTYPES[dtype], arch=arch).eval()

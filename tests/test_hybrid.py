@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_rl.checkpoint import load_hf_folder, save_hf_folder
 from titan_rl.kernels.gdn import causal_conv1d_reference, gdn_reference
 from titan_rl.models.qwen3_hybrid import FLAVORS, FreshState, Qwen3HybridConfig, build
 
@@ -212,7 +211,7 @@ def test_config_accepts_the_hybrid():
 
 # -- vLLM: trainer log-probs == sampler log-probs --------------------------------------------
 
-from _vllm_helpers import _gen, _prompts, _trainer_logprobs  # noqa: E402
+from _vllm_helpers import _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
@@ -222,13 +221,10 @@ from titan_rl.vllm.hybrid import TitanHybridForCausalLM  # noqa: E402
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def setup(request, tmp_path_factory):
     dtype = request.param
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"weights seed={seed}")
-    folder = str(tmp_path_factory.mktemp(f"hyb_{dtype}"))
-    save_hf_folder(build("debug_hybrid").init_weights(seed, 0.05), folder, dtype=DTYPES[dtype])
+    folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: build("debug_hybrid").init_weights(seed, 0.05),
+                                        dtype, arch="qwen3_hybrid")
     llm = make_llm(folder, arch="qwen3_hybrid", dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
                    max_num_batched_tokens=64, enable_prefix_caching=True, block_size=32)
-    trainer = load_hf_folder(folder, kernels="exact", dtype=DTYPES[dtype], arch="qwen3_hybrid").eval()
     yield llm, trainer, dtype
     del llm
 

@@ -9,7 +9,6 @@ them); bf16 and fp32. Replay: the trainer, its router perturbed on purpose, uses
 the recorded experts.
 """
 
-import os
 
 import pytest
 import torch
@@ -17,14 +16,12 @@ import torch
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
-from _vllm_helpers import _gen, _prompts, _trainer_logprobs  # noqa: E402
-from titan_rl.checkpoint import load_hf_folder, save_hf_folder  # noqa: E402
+from _vllm_helpers import DTYPES, _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
+from titan_rl.checkpoint import load_hf_folder  # noqa: E402
 from titan_rl.models import qwen3_moe  # noqa: E402
 from titan_rl.parity import expert_disagreement  # noqa: E402
 from titan_rl.vllm.engine import make_llm  # noqa: E402
 from titan_rl.vllm.routes import capture_routes  # noqa: E402
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _weights(seed: int) -> qwen3_moe.Qwen3MoeForCausalLM:
@@ -39,14 +36,10 @@ def _weights(seed: int) -> qwen3_moe.Qwen3MoeForCausalLM:
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def setup(request, tmp_path_factory):
     dtype = request.param
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"weights seed={seed}")
-    folder = str(tmp_path_factory.mktemp(f"moe_{dtype}"))
-    save_hf_folder(_weights(seed), folder, dtype=DTYPES[dtype])
+    folder, trainer = random_checkpoint(tmp_path_factory, _weights, dtype, arch="qwen3_moe")
     common = dict(arch="qwen3_moe", dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
                   enable_prefix_caching=True)
     engines = {"chunked": make_llm(folder, max_num_batched_tokens=64, **common), "seeded": make_llm(folder, **common)}
-    trainer = load_hf_folder(folder, kernels="exact", dtype=DTYPES[dtype], arch="qwen3_moe").eval()
     yield engines, trainer, folder, dtype
     del engines
 

@@ -10,33 +10,25 @@ vs inside a batch of 8 mixed-length requests; every decode position (each sample
 token is compared); chunked-prefill splits; prefix-cache hits; after a weight update.
 """
 
-import os
 
 import pytest
 import torch
 
-from titan_rl.checkpoint import load_hf_folder, save_hf_folder
 from titan_rl.models.qwen3 import build
 
 pytest.importorskip("vllm")
 
 from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
 
-from _vllm_helpers import _gen, _prompts, _trainer_logprobs  # noqa: E402
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from _vllm_helpers import DTYPES, _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def setup(request, tmp_path_factory):
     dtype = request.param
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"weights seed={seed}")
-    folder = str(tmp_path_factory.mktemp(f"w_{dtype}"))
-    save_hf_folder(build("debug").init_weights(seed, 0.05), folder, dtype=DTYPES[dtype])
+    folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: build("debug").init_weights(seed, 0.05), dtype)
     common = dict(dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True)
     engines = {"chunked": make_llm(folder, max_num_batched_tokens=64, **common), "seeded": make_llm(folder, **common)}
-    trainer = load_hf_folder(folder, kernels="exact", dtype=DTYPES[dtype]).eval()
     yield engines, trainer, dtype
     del engines
 
