@@ -4,18 +4,19 @@ Exact mode rests on measured facts about the BLAS/oneDNN/ATen build, the CPU and
 thread count (docs/kernels.md), not on guarantees. So before serving or training in
 exact mode, `check_platform` runs the kernels exact mode calls on small fixed inputs and
 asserts with torch.equal that a row's bits do not depend on how many rows share the
-call: linear over row counts 1, 2, 63, 64, 65, 200 (tile edges) and K up to >= 1024, the
-fp32 LM-head GEMM, rms_norm, log_softmax, attention_dense (prefix vs full, one sequence vs
-a batch) and attention_paged (decode / chunked prefill vs dense). Any mismatch raises
+call: linear over row counts 1, 2, 63, 64, 65, 200 and K up to >= 1024 (odd K and N too),
+the fp32 LM-head GEMM, rms_norm, log_softmax, silu_mul at widths that are not multiples of
+16, RoPE, attention_dense (prefix vs full, one sequence vs a batch) and attention_paged
+(decode / chunked prefill vs dense). Any mismatch raises
 PlatformNotInvariant naming the op, shape, dtype and thread count. There is deliberately
 no environment-variable escape hatch: exact mode refuses; the caller may choose
 kernels='stock' knowingly instead.
 
 The result (pass or failure) is cached per (dtype, torch thread count, head_dim), so
 repeated calls are free; `clear_cache()` forgets it. Attention is probed at the model's
-head_dim because the platform facts depend on it (measured here: with k^T as a transposed
-view D=256 was not invariant; the core now passes it contiguous, see docs/kernels.md). `ops=` substitutes functions to check (tests use it
-to prove a broken kernel is caught); such calls are never cached.
+head_dim. `platform_choices()` names what exact mode chose here (bf16 GEMM form, padding
+rules). `ops=` substitutes functions to check (tests use it to prove a broken kernel is
+caught); such calls are never cached.
 """
 
 import platform
@@ -44,9 +45,22 @@ def _default_ops() -> dict:
     from titan_rl.kernels.matmul import torch_impl as mm
     from titan_rl.kernels.rmsnorm import torch_impl as rn
 
+    from titan_rl.kernels.elementwise import torch_impl as ew
+
     return {"linear": mm.linear, "rms_norm": rn.rms_norm, "log_softmax_fp32": lm.log_softmax_fp32,
             "lm_head_logits": lm.lm_head_logits, "attention_dense": attn.attention_dense,
-            "attention_paged": attn.attention_paged}
+            "attention_paged": attn.attention_paged, "silu_mul": ew.silu_mul, "rope": ew.rope}
+
+
+def platform_choices() -> dict:
+    """The bit-relevant choices exact mode made for this platform (reported with every
+    self-check result: parity JSON, logs)."""
+    from titan_rl.kernels.matmul import torch_impl as mm
+
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16_gemm": mm.BF16_GEMM,
+            "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
+            "attention": "compiled, fixed order per row (kernels/csrc/paged_attention.cpp)",
+            "elementwise": "compiled silu_mul; RoPE from a chunked table", "torch_threads": torch.get_num_threads()}
 
 
 class _Probe:
@@ -86,7 +100,9 @@ class _Probe:
 def _check(ops, dtype, quick, head_dim):
     p = _Probe(dtype)
     rows = QUICK_ROWS if quick else tuple(range(1, 131)) + (200, 257)
-    shapes = [(256, 384), (1024, 256)] if quick else [(64, 256), (256, 512), (1024, 256), (3072, 128)]
+    # Odd K and N too: (200, 96) is an intermediate-200 down projection, (33, 8) a router.
+    shapes = [(256, 384), (1024, 256), (200, 96), (33, 8)] if quick else \
+        [(64, 256), (256, 512), (1024, 256), (3072, 128), (200, 96), (96, 1000), (33, 8)]
     n_rows = 200 if quick else 300
     for K, N in shapes:
         w = p.randn(N, K, scale=K**-0.5)
@@ -102,6 +118,16 @@ def _check(ops, dtype, quick, head_dim):
     for hidden in (128, 1024):  # q/k-norm head_dim and a hidden size
         w = p.randn(hidden, scale=0.1) + 1
         p.rows("rms_norm", lambda t: ops["rms_norm"](t, w, 1e-6), p.randn(n_rows, hidden), rows, f"[M, {hidden}]", dtype)
+    for width in (200, 1000) if quick else (7, 100, 200, 1000, 1536):  # not multiples of 16
+        p.rows("silu_mul", lambda t: ops["silu_mul"](t[:, :width], t[:, width:]), p.randn(n_rows, 2 * width, scale=3.0),
+               rows, f"[M, {width}]", dtype)
+    pos = torch.randint(0, 4096, (n_rows,), generator=p.gen)
+    x = p.randn(n_rows, 3, head_dim)
+    full = ops["rope"](x, pos, 1e6)
+    for m in rows:
+        got = ops["rope"](x[:m], pos[:m], 1e6)
+        if m <= n_rows and not torch.equal(got, full[:m]):
+            p.fail("rope", f"[M, 3, {head_dim}]", dtype, f"the first {m} of {n_rows} rows differ", got, full[:m])
     _check_attention(p, ops, dtype, quick, head_dim)
 
 

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm
+from titan_rl.kernels.elementwise import rope as rope_exact
+from titan_rl.kernels.elementwise import silu_mul
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -171,9 +173,12 @@ class Ops:
         if mode not in ("exact", "stock"):
             raise ValueError(f"kernels = {mode!r} is not allowed; use 'exact' or 'stock'")
         self.mode = mode
-        self.linear = linear if mode == "exact" else F.linear
+        exact = mode == "exact"
+        self.linear = linear if exact else F.linear
         self.rms_norm = rms_norm
-        self.tp_leaves = tp_leaves if mode == "exact" else 0
+        self.silu_mul = silu_mul if exact else (lambda g, u: F.silu(g) * u)
+        self.rope = rope_exact if exact else rope
+        self.tp_leaves = tp_leaves if exact else 0
 
     def linear_for(self, kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         L = self.tp_leaves
@@ -185,7 +190,9 @@ class Ops:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (HF semantics: cos/sin in fp32, cast to x's dtype). Row-wise."""
+    """Rotate-half RoPE (HF semantics: cos/sin in fp32, cast to x's dtype), plain torch:
+    the stock mode's. Exact mode uses kernels.elementwise.rope (same formula, cos/sin
+    from a table whose bits do not depend on the call's size)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
     freqs = positions.float()[:, None] * inv_freq[None, :]
@@ -218,9 +225,15 @@ class Linear(nn.Module):
             raise ValueError(f"Linear kind = {kind!r}; allowed: {self.KINDS}")
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.ops, self.kind = ops, kind
+        # The engine's `weight` prepared for the GEMM once per load (kernels.matmul
+        # PackedWeight: the same bits as preparing it per call, as the trainer does).
+        self.gemm_weight = None
 
     def forward(self, x):
-        return self.ops.linear_for(self.kind)(x, self.weight)
+        fn = self.ops.linear_for(self.kind)
+        if self.gemm_weight is not None and fn is self.ops.linear:
+            return fn(x, self.gemm_weight)
+        return fn(x, self.weight)
 
 
 class Attention(nn.Module):
@@ -228,6 +241,7 @@ class Attention(nn.Module):
         super().__init__()
         h, hkv, d, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.layer_idx, self.h, self.hkv, self.d, self.theta = layer_idx, h, hkv, d, cfg.rope_theta
+        self.ops = ops
         self.q_proj = Linear(e, h * d, ops, "col")
         self.k_proj = Linear(e, hkv * d, ops, "col")
         self.v_proj = Linear(e, hkv * d, ops, "col")
@@ -240,7 +254,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(T, self.h, self.d))
         k = self.k_norm(self.k_proj(x).view(T, self.hkv, self.d))
         v = self.v_proj(x).view(T, self.hkv, self.d)
-        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        q, k = self.ops.rope(q, positions, self.theta), self.ops.rope(k, positions, self.theta)
         o = attn(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(T, self.h * self.d))
 
@@ -248,12 +262,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Qwen3Config, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops, "row")
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -26,6 +26,31 @@ from titan_rl.jsonout import write_json  # noqa: E402
 from titan_rl.models.qwen3 import build  # noqa: E402
 
 
+def gemm_peak_gflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
+    """Measured GEMM throughput (GFLOP/s) of an n^3 torch.mm in `dtype` at the current thread count."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    for _ in range(2):
+        torch.mm(a, b)
+    t, k = time.perf_counter(), 0
+    while time.perf_counter() - t < seconds:
+        torch.mm(a, b)
+        k += 1
+    return 2 * n**3 * k / (time.perf_counter() - t) / 1e9
+
+
+def forward_flops(cfg, lengths) -> float:
+    """FLOPs of a forward over sequences of the given lengths: 2 per weight per token
+    (decoder linears + LM head) plus causal attention (4 * position * heads * head_dim
+    per token and layer)."""
+    e, i, h, hkv, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_layer = e * (h * d) * 2 + e * (hkv * d) * 2 + 3 * e * i
+    dense = 2 * (cfg.num_hidden_layers * per_layer + e * cfg.vocab_size)
+    total = 0.0
+    for n in lengths:
+        total += n * dense + cfg.num_hidden_layers * 4 * h * d * n * (n + 1) / 2
+    return total
+
+
 def bench_rollout(folder, args):
     from vllm import SamplingParams
 
@@ -51,6 +76,9 @@ def bench_rollout(folder, args):
     for e in engines:
         best = min(times[e])
         out[e] = {"seconds": best, "tokens_per_s": args.prompts * args.max_tokens / best}
+    # every prompt token and every generated token but the last goes through the model once
+    out["flops"] = forward_flops(build(args.flavor).cfg, [len(p["prompt_token_ids"]) + args.max_tokens - 1
+                                                           for p in prompts])
     return out
 
 
@@ -77,7 +105,9 @@ def bench_train(args):
             step(m)
             times[e].append(time.perf_counter() - t)
     n = tokens.numel()
-    return {e: {"seconds": min(times[e]), "tokens_per_s": n / min(times[e])} for e in models}
+    out = {e: {"seconds": min(times[e]), "tokens_per_s": n / min(times[e])} for e in models}
+    out["flops"] = 3 * forward_flops(models["exact"].cfg, [args.train_len] * args.train_batch)  # fwd + 2x bwd
+    return out
 
 
 def main(argv=None):
@@ -101,12 +131,30 @@ def main(argv=None):
             save_hf_folder(build(args.flavor).init_weights(0), d, dtype=getattr(torch, args.dtype))
             res["rollout"] = bench_rollout(d, args)
         res["rollout_slowdown"] = res["rollout"]["exact"]["seconds"] / res["rollout"]["stock"]["seconds"]
-    print(f"\n{'what':28s}{'exact tok/s':>14s}{'stock tok/s':>14s}{'slowdown':>10s}")
+    # The physical limit: every FLOP at the platform's measured GEMM peak in the dtype the
+    # exact engine's GEMMs run in (kernels.matmul.gemm_dtype).
+    from titan_rl.kernels.matmul.torch_impl import BF16_GEMM, gemm_dtype
+
+    peak_dtype = gemm_dtype(getattr(torch, args.dtype))
+    res["gemm_peak_gflops"] = gemm_peak_gflops(peak_dtype)
+    res["gemm_peak_dtype"] = str(peak_dtype).replace("torch.", "")
+    res["bf16_gemm"] = BF16_GEMM
+    for k in ("train", "rollout"):
+        if k in res:
+            limit = res[k]["flops"] / (res["gemm_peak_gflops"] * 1e9)
+            res[k]["limit_seconds"] = limit
+            for e in ("exact", "stock"):
+                res[k][e]["x_limit"] = res[k][e]["seconds"] / limit
+    print(f"\n{'what':28s}{'exact tok/s':>14s}{'stock tok/s':>14s}{'slowdown':>10s}"
+          f"{'exact/limit':>13s}{'stock/limit':>13s}")
     for k in ("train", "rollout"):
         if k in res:
             r = res[k]
             print(f"{k + ' (' + args.flavor + ', ' + args.dtype + ')':28s}{r['exact']['tokens_per_s']:>14.1f}"
-                  f"{r['stock']['tokens_per_s']:>14.1f}{res[k + '_slowdown']:>9.2f}x")
+                  f"{r['stock']['tokens_per_s']:>14.1f}{res[k + '_slowdown']:>9.2f}x"
+                  f"{r['exact']['x_limit']:>12.1f}x{r['stock']['x_limit']:>12.1f}x")
+    print(f"threads {res['threads']}; limit = FLOPs at the measured {res['gemm_peak_dtype']} GEMM peak "
+          f"({res['gemm_peak_gflops']:.1f} GFLOP/s); bf16 GEMM form here: {BF16_GEMM}")
     if args.json:
         write_json(args.json, res)
     return 0

@@ -1,9 +1,9 @@
 """Guard test: pins the measured platform facts exact mode is built on.
 
-For the torch_impl kernels both engines call (tiled linear, rms_norm, log_softmax) and
-for the batched matmul shapes inside the fixed-block attention, every row computed in a
-batch must have the bits of the same row computed alone, across row counts (1..130 and
-some larger, crossing the 64-row tile edges), K, N, dtype and torch thread count. If a
+For the kernels both engines call (padded linear, rms_norm, log_softmax, the compiled
+silu_mul and attention, RoPE), every row computed in a batch must have the bits of the
+same row computed alone, across row counts (1..130 and some larger), K, N and widths
+that are not multiples of 16 or 64, dtype and torch thread count. If a
 torch / MKL / oneDNN upgrade or a new CPU breaks one of these facts, this test names the
 failing parameters; kernels/selfcheck.py then refuses exact mode at start-up.
 """
@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from titan_rl.kernels import selfcheck
-from titan_rl.kernels.attention.torch_impl import BLOCK, ROW_MULTIPLE
+from titan_rl.kernels.attention.torch_impl import attention_dense
+from titan_rl.kernels.elementwise import rope, silu_mul
 from titan_rl.kernels.lm_head.torch_impl import log_softmax_fp32
+from titan_rl.kernels.matmul import torch_impl as mm
 from titan_rl.kernels.matmul.torch_impl import linear
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm
 
@@ -85,65 +87,52 @@ def test_log_softmax_rows_invariant_full_vocab(threads, rng):
         assert torch.equal(log_softmax_fp32(x[:m]), full[:m]), f"V=151936 first {m} rows"
 
 
-# Measured on this CPU (torch 2.13 MKL, AVX512): with K = D = 256 and k^T passed as a
-# transposed VIEW, q @ k^T changed a row's bits with the row count / batch size; the core
-# therefore makes k^T contiguous, and this sweep pins that layout at D = 256 too.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K,N", [(96, 200), (200, 96), (96, 1000), (1000, 96), (13, 7), (33, 8)])
+@pytest.mark.parametrize("bf16_gemm", sorted({mm.BF16_GEMM, "fp32"}))
+def test_linear_rows_invariant_odd_sizes(K, N, dtype, bf16_gemm, threads, rng, monkeypatch):
+    """Widths that are not multiples of 16 or 64 (the hidden-96 / intermediate-200 /
+    vocab-1000 checkpoint shapes, a router), in this platform's bf16 GEMM form and in the
+    upcast-to-fp32 form used where the CPU has no bf16 instructions."""
+    monkeypatch.setattr(mm, "BF16_GEMM", bf16_gemm)
+    w = (torch.randn(N, K, generator=rng) * K**-0.5).to(dtype)
+    x = torch.randn(max(ROWS), K, generator=rng).to(dtype)
+    _sweep(lambda t: linear(t, w), x, f"linear K={K} N={N} dtype={dtype}")
 
 
-
-def _kv_blocks(k, v, layout):
-    """k/v [S, L, Hkv, D] -> k/v blocks [S, Hkv, NB, BLOCK, D] laid out as the core gets them."""
-    S, L, Hkv, D = k.shape
-    nb = L // BLOCK
-    if layout == "dense":  # attention_dense: views of the [B, L, Hkv, D] activations
-        return [t.view(S, nb, BLOCK, Hkv, D).permute(0, 3, 1, 2, 4) for t in (k, v)]
-    # attention_paged: one fp32 buffer [2, S, Hkv, pages*page/BLOCK, BLOCK, D], sliced to nb
-    buf = torch.zeros(2, S, Hkv, nb + 1, BLOCK, D)
-    buf[:, :, :, :nb] = torch.stack([k, v]).view(2, S, nb, BLOCK, Hkv, D).permute(0, 1, 4, 2, 3, 5)
-    buf = buf[:, :, :, :nb]
-    return buf[0], buf[1]
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [7, 96, 100, 200, 768, 1000])
+def test_silu_mul_rows_invariant(width, dtype, threads, rng):
+    """F.silu fails this at widths 100/200 (scalar tail); the compiled op must not."""
+    x = (3 * torch.randn(max(ROWS), 2 * width, generator=rng)).to(dtype)
+    _sweep(lambda t: silu_mul(t[:, :width], t[:, width:]), x, f"silu_mul width={width} dtype={dtype}")
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged"])
-@pytest.mark.parametrize("D", [64, 128, 256])
-def test_attention_block_matmuls_rows_invariant(D, layout, threads, rng):
-    """The two batched GEMMs of _blocked_core (always fp32), with its operand layouts:
-    scores q[S, Hkv, 1, R, D] @ k_blocks^T[S, Hkv, NB, D, BLOCK] and values
-    p[S, Hkv, NB, R, BLOCK] @ v_blocks[S, Hkv, NB, BLOCK, D]. The core pads R to a
-    multiple of ROW_MULTIPLE, so R sweeps those multiples (and NB = 1 and 3 blocks, 2
-    sequences); "alone" is one sequence, one block, the row at position 0 of a
-    ROW_MULTIPLE-row call (a lone decode row)."""
-    S, Hkv, NB = 2, 2, 3
-    R = ROW_MULTIPLE * -(-max(ROWS) // ROW_MULTIPLE)
-    lone = list(range(12)) + [63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, R - 1]  # positions checked
-    kb, vb = _kv_blocks(torch.randn(S, NB * BLOCK, Hkv, D, generator=rng),
-                        torch.randn(S, NB * BLOCK, Hkv, D, generator=rng), layout)
-    q = torch.randn(S, Hkv, R, D, generator=rng)
-    p = torch.rand(S, Hkv, NB, R, BLOCK, generator=rng)
-    ops = (("q@k^T", lambda rows, nb: torch.matmul(rows[:, :, None], kb[:, :, :nb].transpose(-1, -2).contiguous()),
-            lambda s, j, i: torch.matmul(_pad_row(q[s : s + 1, :, i : i + 1], 2)[:, :, None],
-                                          kb[s : s + 1, :, j : j + 1].transpose(-1, -2).contiguous())),
-           ("p@v", lambda rows, nb: torch.matmul(rows[:, :, :nb], vb[:, :, :nb]),
-            lambda s, j, i: torch.matmul(_pad_row(p[s : s + 1, :, j : j + 1, i : i + 1], 3), vb[s : s + 1, :, j : j + 1])))
-    for (name, batched, single), a in zip(ops, (q, p)):
-        alone = torch.stack([torch.stack([torch.stack([single(s, j, i)[0, :, 0, 0] for i in lone], 1)
-                                          for j in range(NB)], 1) for s in range(S)])  # [S, Hkv, NB, lone, N]
-        bad = []
-        for nb in (1, NB):
-            for m in range(ROW_MULTIPLE, R + 1, ROW_MULTIPLE):
-                sel = [j for j, i in enumerate(lone) if i < m]
-                got = batched(a[..., :m, :].contiguous(), nb)[:, :, :, [lone[j] for j in sel]]
-                if not torch.equal(got, alone[:, :, :nb, sel]):
-                    bad.append(f"R={m} NB={nb}")
-        assert not bad, (f"attention {name} D={D} BLOCK={BLOCK} {layout} layout NOT row-invariant "
-                         f"(threads {torch.get_num_threads()}): rows differ from a lone row for {bad[:10]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_rope_rows_invariant(d, dtype, threads, rng):
+    x = torch.randn(max(ROWS), 3, d, generator=rng).to(dtype)
+    pos = torch.randint(0, 3000, (max(ROWS),), generator=rng)
+    alone = torch.cat([rope(x[i : i + 1], pos[i : i + 1], 1e6) for i in range(130)])
+    bad = [m for m in ROWS if not torch.equal(rope(x[:m], pos[:m], 1e6)[:130], alone[:m])]
+    assert not bad, f"rope d={d} dtype={dtype} (threads {torch.get_num_threads()}): M={bad[:8]} differ"
 
 
-def _pad_row(row, dim):
-    """A single row zero-padded to ROW_MULTIPLE rows along `dim`, as _to_rows pads a decode."""
-    shape = list(row.shape)
-    shape[dim] = ROW_MULTIPLE - 1
-    return torch.cat([row, row.new_zeros(shape)], dim)
+@pytest.mark.parametrize("D,G", [(64, 2), (128, 1), (256, 4)])
+def test_attention_rows_invariant(D, G, threads, rng):
+    """The compiled attention: every row of a batch of sequences (prefill chunks mixed
+    with decodes) equals the same row computed alone as a one-row decode."""
+    S, L, Hkv = 5, 70, 2
+    q = torch.randn(S, L, Hkv * G, D, generator=rng)
+    k, v = torch.randn(S, L, Hkv, D, generator=rng), torch.randn(S, L, Hkv, D, generator=rng)
+    full = attention_dense(q, k, v, D**-0.5)
+    bad = []
+    for s in range(S):
+        for t in (0, 1, 15, 16, 17, 33, L - 1):
+            one = attention_dense(q[s:s + 1, : t + 1], k[s:s + 1, : t + 1], v[s:s + 1, : t + 1], D**-0.5)
+            if not torch.equal(one[0, t], full[s, t]):
+                bad.append((s, t))
+    assert not bad, f"attention D={D} G={G} (threads {torch.get_num_threads()}): rows {bad[:8]} differ"
 
 
 def test_sweep_catches_a_batch_dependent_kernel(rng):
@@ -174,7 +163,7 @@ def _broken(fn):
 
 
 @pytest.mark.parametrize("op", ["linear", "rms_norm", "log_softmax_fp32", "lm_head_logits",
-                                "attention_dense", "attention_paged"])
+                                "attention_dense", "attention_paged", "silu_mul", "rope"])
 def test_check_platform_catches_a_broken_kernel(op):
     broken = _broken(selfcheck._default_ops()[op])
     with pytest.raises(selfcheck.PlatformNotInvariant) as e:

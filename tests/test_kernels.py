@@ -8,7 +8,7 @@ import torch
 
 from titan_rl.kernels import attention_dense, attention_paged, linear, lm_head_logits, rms_norm, token_logprobs
 from titan_rl.kernels.attention.reference import attention_reference
-from titan_rl.kernels.attention.torch_impl import BLOCK
+BLOCK = 32  # a KV page granule of vLLM's CPU cache; the shapes below cross it
 from titan_rl.kernels.lm_head.reference import token_logprobs_reference
 from titan_rl.kernels.matmul.reference import linear_reference
 from titan_rl.kernels.rmsnorm.reference import rms_norm_reference

@@ -12,8 +12,8 @@ from titan_rl.kernels.matmul.torch_impl import linear
 
 
 def lm_head_logits(hidden: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
-    """fp32 logits. `weight_fp32` is the LM head weight already in fp32 (the engine
-    caches it; the trainer upcasts per step so gradients flow to the bf16 master)."""
+    """fp32 logits. `weight_fp32` is the LM head weight in fp32: the engine caches it as
+    a PackedWeight; the trainer upcasts per step so gradients flow to the bf16 master."""
     return linear(hidden.float(), weight_fp32)
 
 

@@ -1,59 +1,129 @@
-"""Batch-invariant linear on CPU: every GEMM call has the same shape.
+"""Batch-invariant linear on CPU.
 
-Why (measured on the project's CPUs, see docs/kernels.md): MKL (fp32) and oneDNN
-(bf16) pick kernels, K-blocking and thread splits from the call's M, so a row's bits
-depend on how many rows share the call; padding M to a multiple of 4/16/32/64 does not
-fix it. What does: slicing the rows into tiles of exactly ROW_TILE rows (zero-padding
-the last) and issuing one GEMM per tile. Every call then has the same (M, K, N), the
-library takes the same path, and a row's result depends only on its own values. The
-guard test (tests/test_invariance_guard.py) sweeps rows, K, N, dtype and threads and
-the start-up self-check (kernels/selfcheck.py) refuses exact mode where this fails.
+Why (measured, docs/kernels.md): BLAS and oneDNN pick kernels, K-blocking and thread
+splits from the call's M, so with plain F.linear a row's bits depend on how many rows
+share the call. What is invariant on the project's CPUs (guard test, 1 and 2 threads,
+M = 1..130 and 200/257/512/2000, odd K and N): ONE GEMM call with M zero-padded up to a
+multiple of ROW_MULTIPLE (fewer rows take another kernel) and, for N < MIN_N, the weight
+zero-padded to MIN_N rows (fp32 with an odd K and N <= 11 varied otherwise).
 
-Only the forward must be invariant (it produces the log-probs both engines compare).
-The backward is the ordinary full-size GEMMs: the same gradient up to rounding, and
-as fast as the stock path.
+The GEMM (`GEMM`, chosen once per platform and reported by the self-check):
+  "onednn": oneDNN's matmul on a weight reordered once into its blocked layout
+            (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise, what vLLM's
+            CPU linears use): 2.3-3x faster than torch.mm in fp32 on the AMD EPYC
+            machines, invariant under the rule above;
+  "mm":     torch.mm (BLAS), where torch has no oneDNN.
+bf16 (`BF16_GEMM`): "native" bf16 GEMMs where the CPU has bf16 instructions; else "fp32":
+operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (~5-7x faster than a bf16
+GEMM without those instructions).
+
+The engine prepares each weight once per load (`pack_weight` -> `PackedWeight`); the
+trainer's weights change every step, so `linear` packs them per call (a copy of K*N
+values, small beside the M*K*N GEMM). Both go through the same reorder and GEMM, so
+both give the same bits. Only the forward must be invariant (it produces the log-probs
+both engines compare); the backward is the ordinary full-size GEMMs.
 """
+
+from __future__ import annotations
 
 import torch
 
-ROW_TILE = 64
+ROW_MULTIPLE = 8
+MIN_N = 16  # narrower weights are zero-padded to this many output columns
 
 
-def _tiled_mm(x2: torch.Tensor, weight: torch.Tensor, row_tile: int) -> torch.Tensor:
-    m, k = x2.shape
-    pad = (-m) % row_tile if m else row_tile
+def _native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+GEMM = "onednn" if torch.backends.mkldnn.is_available() else "mm"
+BF16_GEMM = "native" if GEMM == "onednn" and _native_bf16() else "fp32"
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the GEMM of a `dtype` linear runs in on this platform."""
+    return torch.float32 if dtype == torch.bfloat16 and BF16_GEMM == "fp32" else dtype
+
+
+class PackedWeight:
+    """A [N, K] weight prepared for the GEMM: in the GEMM dtype, N padded to MIN_N, and
+    (GEMM = "onednn") reordered into oneDNN's layout. Opaque: only `linear` reads it."""
+
+    __slots__ = ("data", "n", "k", "gemm", "bf16_gemm")
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().to(gemm_dtype(weight.dtype)).contiguous()
+        self.n, self.k = w.shape
+        if self.n < MIN_N:
+            w = torch.cat([w, w.new_zeros(MIN_N - self.n, self.k)])
+        self.gemm, self.bf16_gemm = GEMM, BF16_GEMM
+        self.data = torch.ops.mkldnn._reorder_linear_weight(w, None) if GEMM == "onednn" else w
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    return PackedWeight(weight)
+
+
+def _gemm(x2: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """x2 [M, K] (in the GEMM dtype) @ weight^T -> [M, N], M padded inside one call."""
+    if (pw.gemm, pw.bf16_gemm) != (GEMM, BF16_GEMM):
+        raise RuntimeError("PackedWeight was made under another GEMM choice; pack it again")
+    m = x2.shape[0]
+    pad = (-m) % ROW_MULTIPLE if m else ROW_MULTIPLE
     if pad:
-        x2 = torch.cat([x2, x2.new_zeros(pad, k)])
-    wt = weight.t()
-    out = x2.new_empty(x2.shape[0], weight.shape[0])
-    for i in range(0, x2.shape[0], row_tile):
-        torch.mm(x2[i : i + row_tile], wt, out=out[i : i + row_tile])
-    return out[:m]
+        x2 = torch.cat([x2, x2.new_zeros(pad, pw.k)])
+    if pw.gemm == "onednn":
+        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), pw.data, None, "none", [], "")
+    else:
+        y = torch.mm(x2, pw.data.t())
+    return y[:m, : pw.n]
+
+
+def _invariant_mm(x2: torch.Tensor, weight) -> torch.Tensor:
+    """x2 [M, K] @ weight^T in x2's dtype; `weight` a tensor or a PackedWeight."""
+    pw = weight if isinstance(weight, PackedWeight) else PackedWeight(weight)
+    g = pw.dtype
+    y = _gemm(x2 if x2.dtype == g else x2.to(g), pw)
+    return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
 
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, row_tile):
+    def forward(ctx, x2, weight):
         ctx.save_for_backward(x2, weight)
-        return _tiled_mm(x2, weight, row_tile)
+        return _invariant_mm(x2, weight)
 
     @staticmethod
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
-        gx = grad @ weight if ctx.needs_input_grad[0] else None
-        gw = grad.t() @ x2 if ctx.needs_input_grad[1] else None
-        return gx, gw, None
+        grad = grad.to(x2.dtype)
+        gx = grad @ weight.to(x2.dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad.t() @ x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, row_tile: int = ROW_TILE) -> torch.Tensor:
-    """y = x @ weight^T with each output row independent of the number of rows."""
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """y = x @ weight^T in x's dtype, each output row independent of the number of rows.
+    `weight`: [N, K] tensor, or a PackedWeight (engine, no autograd)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        y = _InvariantLinear.apply(x2, weight, row_tile)
+    if isinstance(weight, PackedWeight):
+        y = _invariant_mm(x2, weight)
+        n = weight.n
     else:
-        y = _tiled_mm(x2, weight, row_tile)
-    return y.reshape(*lead, weight.shape[0])
+        n = weight.shape[0]
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            y = _InvariantLinear.apply(x2, weight)
+        else:
+            y = _invariant_mm(x2, weight)
+    return y.reshape(*lead, n)
 
 
 # -- fixed-shape pieces: the same bits for any tensor-parallel degree ---------------------

@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from titan_rl.kernels.elementwise.torch_impl import silu_mul
 from titan_rl.kernels.matmul.torch_impl import linear
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -114,7 +114,7 @@ def swiglu_expert(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
     """An expert from raw weights: down(silu(gate(x)) * up(x)) through the given linears
     (the model passes its expert MLP modules instead, so TP-sharded layers just work)."""
     down = linear_fn if linear_down is None else linear_down
-    return lambda xe: down(F.silu(linear_fn(xe, w_gate)) * linear_fn(xe, w_up), w_down)
+    return lambda xe: down(silu_mul(linear_fn(xe, w_gate), linear_fn(xe, w_up)), w_down)
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -18,6 +18,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titan_rl.kernels import lm_head_logits
+from titan_rl.kernels.matmul.torch_impl import pack_weight
+from titan_rl.models.qwen3 import Linear
 from titan_rl.kernels.selfcheck import check_platform
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.attention import TitanAttentionBackend
@@ -72,7 +74,7 @@ class TitanForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._lm_head_fp32 is None:
-            self._lm_head_fp32 = self.lm_head.weight.detach().float()
+            self._lm_head_fp32 = pack_weight(self.lm_head.weight.detach().float())
         return lm_head_logits(hidden_states, self._lm_head_fp32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -93,4 +95,12 @@ class TitanForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             loaded.add("lm_head.weight")
         self._lm_head_fp32 = None  # refreshed from the new weights on next use
+        self._cache_gemm_weights()
         return loaded
+
+    def _cache_gemm_weights(self) -> None:
+        """Prepare every linear's weight for the GEMM once per load (dtype, layout),
+        instead of once per call as the trainer does; the bits are the same."""
+        for m in self._net.modules():
+            if isinstance(m, Linear):
+                m.gemm_weight = pack_weight(m.weight)

@@ -1,0 +1,59 @@
+"""The compiled CPU kernels (kernels/csrc/*.cpp), built once per machine.
+
+`torch.utils.cpp_extension.load` compiles the sources with g++ into
+`$TITAN_RL_BUILD_DIR` (default: `build/` beside the sources) and registers the ops as
+`torch.ops.titan_rl.*`. The README's set-up builds it (`python -m titan_rl.kernels.cpu_ext`);
+afterwards the first import only checks the sources' hash (rebuilding if they changed;
+concurrent processes, e.g. torchrun ranks, wait on cpp_extension's lock).
+
+Flags: -O3 and the machine's vector ISA for speed; -ffp-contract=off and no fast-math
+so every element and lane is computed by the same IEEE operations (csrc/common.h).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("paged_attention.cpp", "elementwise.cpp")
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math"]
+_loaded = False
+
+
+def build_dir() -> Path:
+    env = os.environ.get("TITAN_RL_BUILD_DIR")
+    root = Path(env) if env else _SRC.parents[1] / "build"
+    d = root / f"cpu_ext-torch{torch.__version__.replace('+', '_')}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load(verbose: bool = False) -> None:
+    """Compile (if needed) and load the extension; idempotent."""
+    global _loaded
+    if _loaded:
+        return
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name="titan_rl_cpu", sources=[str(_SRC / s) for s in SOURCES], extra_cflags=CFLAGS,
+        extra_include_paths=[str(_SRC)], build_directory=str(build_dir()), is_python_module=False,
+        verbose=verbose,
+    )
+    _loaded = True
+
+
+def ops():
+    load()
+    return torch.ops.titan_rl
+
+
+if __name__ == "__main__":
+    t = time.perf_counter()
+    load(verbose="-v" in sys.argv)
+    print(f"[setup] titan_rl CPU kernels ready in {build_dir()} ({time.perf_counter() - t:.0f} s)")

@@ -1,0 +1,89 @@
+"""Elementwise ops on CPU with every element's bits independent of its position in the
+buffer, the buffer's size and the thread count.
+
+Why this is needed: ATen's vectorised loops compute the tail of a buffer (and of each
+thread's chunk) on a scalar path whose transcendentals round differently from the SIMD
+ones. With a width that is not a multiple of the vector length (intermediate 200: 7 of
+the row counts 1..50 changed a row's F.silu bits), a row's activation then depends on
+how many rows share the call.
+
+* `silu_mul(gate, up)` = silu(gate) * up: compiled (kernels/csrc/elementwise.cpp), every
+  element through the same IEEE operations and polynomial exp. Backward in torch (only
+  the forward must match the engine).
+* RoPE: cos/sin come from a per-process table built in chunks of exactly TABLE_CHUNK
+  positions (every chunk one call of the same shape, so a position's cos/sin bits are
+  the same whichever forward first needed it) and gathered by position; the rotation is
+  multiplies and adds (exact IEEE operations in any vector form).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan_rl.kernels.cpu_ext import ops as _ops
+
+TABLE_CHUNK = 512
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _ops().silu_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        g = gate.float()
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        gf = grad.float()
+        d_gate = gf * up.float() * sig * (1 + g * (1 - sig))
+        d_up = gf * silu
+        return d_gate.to(gate.dtype), d_up.to(up.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (HF's act_fn(gate_proj(x)) * up_proj(x)), row-invariant."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMul.apply(gate, up)
+    return _ops().silu_mul(gate, up)
+
+
+_TABLES: dict = {}  # (d, theta, device) -> [cos fp32 [n, d], sin fp32 [n, d], {dtype: (cos, sin)}]
+
+
+def _table(d: int, theta: float, n: int, device) -> list:
+    key = (d, float(theta), str(device))
+    t = _TABLES.get(key)
+    if t is None or t[0].shape[0] < n:
+        have = 0 if t is None else t[0].shape[0]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        cos, sin = ([] if t is None else [t[0]]), ([] if t is None else [t[1]])
+        for start in range(have, -(-n // TABLE_CHUNK) * TABLE_CHUNK, TABLE_CHUNK):
+            pos = torch.arange(start, start + TABLE_CHUNK, device=device).float()
+            emb = torch.cat([pos[:, None] * inv_freq[None, :]] * 2, -1)
+            cos.append(emb.cos())
+            sin.append(emb.sin())
+        t = [torch.cat(cos), torch.cat(sin), {}]
+        _TABLES[key] = t
+    return t
+
+
+def rope_cos_sin(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
+    """cos, sin [T, 1, d] for the positions, in `dtype` (HF: computed in fp32, cast)."""
+    n = int(positions.max()) + 1 if positions.numel() else 1
+    t = _table(d, theta, n, positions.device)
+    if dtype not in t[2] or t[2][dtype][0].shape[0] != t[0].shape[0]:
+        t[2][dtype] = (t[0].to(dtype), t[1].to(dtype))
+    cos, sin = t[2][dtype]
+    idx = positions.long()
+    return cos[idx][:, None, :], sin[idx][:, None, :]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (HF semantics) on x [T, heads, d]."""
+    d = x.shape[-1]
+    cos, sin = rope_cos_sin(positions, d, theta, x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
