@@ -2,7 +2,7 @@
 
 `torch.utils.cpp_extension.load` compiles the sources with g++ into
 `$TITAN_RL_BUILD_DIR` (default: `build/` beside the sources) and registers the ops as
-`torch.ops.titan_rl.*`. The README's set-up builds it (`python -m titan_rl.kernels.cpu_ext`);
+`torch.ops.titan_rl.*`. The README's set-up builds it (`python -m titan_rl.kernels.build`);
 afterwards the first import only checks the sources' hash (rebuilding if they changed;
 concurrent processes, e.g. torchrun ranks, wait on cpp_extension's lock).
 
@@ -13,14 +13,12 @@ so every element and lane is computed by the same IEEE operations (csrc/common.h
 from __future__ import annotations
 
 import os
-import sys
-import time
 from pathlib import Path
 
 import torch
 
 _SRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention.cpp", "elementwise.cpp")
+SOURCES = ("paged_attention.cpp", "elementwise.cpp", "rowwise.cpp")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math"]
 _loaded = False
 
@@ -51,9 +49,3 @@ def load(verbose: bool = False) -> None:
 def ops():
     load()
     return torch.ops.titan_rl
-
-
-if __name__ == "__main__":
-    t = time.perf_counter()
-    load(verbose="-v" in sys.argv)
-    print(f"[setup] titan_rl CPU kernels ready in {build_dir()} ({time.perf_counter() - t:.0f} s)")

@@ -149,9 +149,10 @@ def _check_attention(p, ops, dtype, quick, D):
     kv = torch.full((n_pages, Hkv, 2, page, D), float("nan"), dtype=dtype)  # vLLM CPU layout
     table = torch.randperm(n_pages, generator=p.gen)[: B * (-(-L // page))].view(B, -1)
     pos = torch.arange(L)
+    from titan_rl.kernels.attention.torch_impl import kv_cache_write
+
     for s in range(B):
-        kv[table[s, pos // page], :, 0, pos % page] = k[s]
-        kv[table[s, pos // page], :, 1, pos % page] = v[s]
+        kv_cache_write(kv, k[s], v[s], table[s, pos // page] * page + pos % page)
     for t in (0, 1, 2, 3, 7, 31, 32, 63, 64, L - 1) if quick else range(L):
         spans = [(t, t + 1), (max(0, t - 6), t + 1), (0, t + 1)]  # decode, chunk, whole prefill
         qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])

@@ -31,9 +31,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm
 from titan_rl.kernels.elementwise import rope as rope_exact
+from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
 from titan_rl.kernels.elementwise import silu_mul
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -175,7 +177,7 @@ class Ops:
         self.mode = mode
         exact = mode == "exact"
         self.linear = linear if exact else F.linear
-        self.rms_norm = rms_norm
+        self.rms_norm = rms_norm if exact else rms_norm_eager
         self.silu_mul = silu_mul if exact else (lambda g, u: F.silu(g) * u)
         self.rope = rope_exact if exact else rope
         self.tp_leaves = tp_leaves if exact else 0
@@ -187,6 +189,17 @@ class Ops:
         if kind == "row" and L:
             return partial(linear_k_leaves, k_leaves=L)
         return self.linear
+
+    def same_input(self, x: torch.Tensor, mods: list, packed=None) -> list[torch.Tensor]:
+        """mods' outputs on x (q/k/v, gate/up). Exact mode without TP pieces runs them as
+        ONE GEMM over the concatenated weights (fewer, larger calls; the trainer
+        concatenates per call, the engine passes `packed`, the same weights prepared
+        once); both sides take this path, so both get its bits."""
+        ws = [m.weight for m in mods]
+        if self.mode != "exact" or self.tp_leaves or any(isinstance(w, DTensor) for w in ws):
+            return [m(x) for m in mods]
+        y = self.linear(x, torch.cat(ws) if packed is None else packed)
+        return list(y.split([w.shape[0] for w in ws], -1))
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -248,12 +261,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(h * d, e, ops, "row")
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
+        self.packed_qkv = None  # engine: [q; k; v] weights prepared once (Ops.same_input)
 
     def forward(self, x, positions, attn: AttentionFn):
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.h, self.d))
-        k = self.k_norm(self.k_proj(x).view(T, self.hkv, self.d))
-        v = self.v_proj(x).view(T, self.hkv, self.d)
+        q, k, v = self.ops.same_input(x, [self.q_proj, self.k_proj, self.v_proj], self.packed_qkv)
+        q = self.q_norm(q.view(T, self.h, self.d))
+        k = self.k_norm(k.view(T, self.hkv, self.d))
+        v = v.view(T, self.hkv, self.d)
         q, k = self.ops.rope(q, positions, self.theta), self.ops.rope(k, positions, self.theta)
         o = attn(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(T, self.h * self.d))
@@ -266,9 +281,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops, "row")
+        self.packed_gate_up = None  # engine: [gate; up] weights prepared once (Ops.same_input)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.ops.same_input(x, [self.gate_proj, self.up_proj], self.packed_gate_up)
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -10,7 +10,7 @@ stamp=.venv/.titan_rl_setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import titan_rl, vllm, torchtitan" 2>/dev/null; then
   # kernels/csrc changed since the last build: rebuild now rather than inside a test
-  .venv/bin/python -m titan_rl.kernels.cpu_ext >/dev/null || { echo "[setup] building the CPU kernels failed"; exit 1; }
+  .venv/bin/python -m titan_rl.kernels.build >/dev/null || { echo "[setup] building the CPU kernels failed"; exit 1; }
   exit 0
 fi
 echo "[setup] creating/updating .venv (a few minutes the first time)"
@@ -27,6 +27,6 @@ echo "[setup] creating/updating .venv (a few minutes the first time)"
 .venv/bin/python -c "import titan_rl, torchtitan.train; from vllm import LLM" 2>/dev/null \
   || { echo "[setup] import check failed"; exit 1; }
 # The compiled CPU kernels (g++ via torch.utils.cpp_extension, ~20 s; kernels/cpu_ext.py).
-.venv/bin/python -m titan_rl.kernels.cpu_ext || { echo "[setup] building the CPU kernels failed"; exit 1; }
+.venv/bin/python -m titan_rl.kernels.build || { echo "[setup] building the CPU kernels failed"; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] done"

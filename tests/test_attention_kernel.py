@@ -20,6 +20,7 @@ import torch
 
 from titan_rl.kernels import attention_dense, attention_paged
 from titan_rl.kernels.attention.reference import attention_reference
+from titan_rl.kernels.attention.torch_impl import kv_cache_write
 
 DTYPES = [torch.float32, torch.bfloat16]
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -57,9 +58,8 @@ class _Cache:
                     self.table[s, p] = self.table[share_prefix[s][0], p]  # a prefix-cache hit: same page
                     continue
                 self.table[s, p] = perm.pop()
-            for t in range(k.shape[0]):
-                self.kv[self.table[s, t // page], :, 0, t % page] = k[t]
-                self.kv[self.table[s, t // page], :, 1, t % page] = v[t]
+            pos = torch.arange(k.shape[0])
+            kv_cache_write(self.kv, k, v, self.table[s, pos // page].long() * page + pos % page)
 
     def run(self, seqs, spans, rows=None):
         """Queries of positions [a, b) of each sequence (KV up to b) in one call."""

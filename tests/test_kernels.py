@@ -8,6 +8,7 @@ import torch
 
 from titan_rl.kernels import attention_dense, attention_paged, linear, lm_head_logits, rms_norm, token_logprobs
 from titan_rl.kernels.attention.reference import attention_reference
+from titan_rl.kernels.attention.torch_impl import kv_cache_write
 BLOCK = 32  # a KV page granule of vLLM's CPU cache; the shapes below cross it
 from titan_rl.kernels.lm_head.reference import token_logprobs_reference
 from titan_rl.kernels.matmul.reference import linear_reference
@@ -87,10 +88,9 @@ def _paged_cache(k, v, page, n_pages, perm):
     kv = torch.full((n_pages, Hkv, 2, page, D), float("nan"), dtype=k.dtype)
     per_seq = -(-L // page)
     table = perm[: S * per_seq].reshape(S, per_seq)
+    pos = torch.arange(L)
     for s in range(S):
-        for t in range(L):
-            kv[table[s, t // page], :, 0, t % page] = k[s, t]
-            kv[table[s, t // page], :, 1, t % page] = v[s, t]
+        kv_cache_write(kv, k[s], v[s], table[s, pos // page] * page + pos % page)
     return kv, table
 
 

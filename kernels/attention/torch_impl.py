@@ -2,12 +2,16 @@
 trainer's dense forward and the engine's paged prefill, chunked prefill and decode.
 
 Each (query token, head) row is computed from its own query and its sequence's keys and
-values at positions 0..pos, in an order fixed by pos alone (dot products in 16 lanes
-and a fixed tree, max, a polynomial exp, sums in position order; fp32 throughout), so a
-row's bits do not depend on how many rows, sequences or prefill chunks share the call,
-nor on the thread count. The kernel reads keys and values in place through a page
-table: vLLM's paged cache as it is, and the trainer's dense [B, L, Hkv, D] tensors as a
-cache of B pages of L slots. Nothing is padded, gathered or copied into blocks.
+values at positions 0..pos, in an order fixed by pos alone (fp32 throughout: scores as
+in-order sums over D, max, a polynomial exp, sums in position order), so a row's bits do
+not depend on how many rows, sequences or prefill chunks share the call, nor on the
+thread count. The kernel reads keys and values in place through a page table.
+
+The cache layout is ours (`kv_cache_write` is the one writer): vLLM's CPU cache
+[pages, Hkv, 2, page, D] holds, per page and kv head, the keys TRANSPOSED ([D, page]:
+the scores of 16 consecutive positions are one vector operation per d) and then the
+values ([page, D]). The trainer's dense keys go in as a transposed copy (one page per
+sequence), its values as a view.
 
 The backward (trainer only) is the gradient of the same function computed by torch's
 SDPA: only the forward has to match the engine bit for bit.
@@ -18,15 +22,19 @@ import torch
 from titan_rl.kernels.cpu_ext import ops as _ops
 
 
+LANES = 16  # the kernel's block of positions; pages and the dense key copy are multiples of it
+
+
 def _dense_forward(q, k, v, scale):
     B, L, H, D = q.shape
-    dev = q.device
+    hkv, dev = k.shape[2], q.device
+    Lp = -(-L // LANES) * LANES
+    kt = k.new_zeros(B, hkv, D, Lp)
+    kt[..., :L] = k.permute(0, 2, 3, 1)
     qsl = torch.arange(B + 1, device=dev) * L
     seq_lens = torch.full((B,), L, device=dev, dtype=torch.long)
     pages = torch.arange(B, device=dev)[:, None]
-    # [B, L, Hkv, D] seen as B pages of L slots: [pages, Hkv, slot, D] views, no copy.
-    out = _ops().paged_attention(q.reshape(B * L, H, D), k.transpose(1, 2), v.transpose(1, 2),
-                                 qsl, seq_lens, pages, scale)
+    out = _ops().paged_attention(q.reshape(B * L, H, D), kt, v.transpose(1, 2), qsl, seq_lens, pages, scale)
     return out.view(B, L, H, D)
 
 
@@ -59,6 +67,26 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return _dense_forward(q, k, v, scale)
 
 
+def _halves(kv_cache: torch.Tensor):
+    """[pages, Hkv, 2, page, D] -> keys [pages, Hkv, D, page] (transposed), values
+    [pages, Hkv, page, D]: views of the same memory."""
+    n_pages, hkv, _, page, d = kv_cache.shape
+    return kv_cache[:, :, 0].flatten(-2).unflatten(-1, (d, page)), kv_cache[:, :, 1]
+
+
+def kv_cache_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store key/value [n, Hkv, D] of n tokens at cache slots [n] (page * page_size +
+    offset; all >= 0) in the layout attention_paged reads."""
+    if kv_cache.is_contiguous():
+        _ops().kv_cache_write(kv_cache, key, value, slots)
+        return
+    kt, vv = _halves(kv_cache)
+    page = kv_cache.shape[3]
+    p, o = slots // page, slots % page
+    kt[p, :, :, o] = key.to(kt.dtype)
+    vv[p, :, o] = value.to(vv.dtype)
+
+
 def attention_paged(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -69,11 +97,11 @@ def attention_paged(
 ) -> torch.Tensor:
     """Engine path over a paged KV cache, prefills and decodes mixed in one flat stream.
 
-    q [T, H, D] (flat); kv_cache [num_pages, Hkv, 2, page, D] (keys then values of a
-    page and head side by side: vLLM's CPU layout); query_start_loc [S+1]; seq_lens [S]
-    (KV length including this step's tokens); block_table [S, max_pages]. The queries
-    of sequence s are its last (qlen) positions. Returns [T, H, D]."""
+    q [T, H, D] (flat); kv_cache [num_pages, Hkv, 2, page, D] written by
+    `kv_cache_write`; query_start_loc [S+1]; seq_lens [S] (KV length including this
+    step's tokens); block_table [S, max_pages]. The queries of sequence s are its last
+    (qlen) positions. Returns [T, H, D]."""
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
-    return _ops().paged_attention(q, kv_cache[:, :, 0], kv_cache[:, :, 1], query_start_loc, seq_lens,
-                                  block_table, scale)
+    kt, vv = _halves(kv_cache)
+    return _ops().paged_attention(q, kt, vv, query_start_loc, seq_lens, block_table, scale)

@@ -3,9 +3,10 @@
 // The exactness rule for everything compiled here: a value's bits depend only on the
 // values it is computed from, never on where it sits in a buffer, how many rows share
 // the call, or the thread count. So:
-//   * only IEEE basic operations (+ - * / sqrt, comparisons, floor, bit casts); the
-//     build passes -ffp-contract=off, so the compiler cannot fuse a*b+c into an FMA in
-//     one copy of a loop (the vector body) and not in another (the scalar tail);
+//   * only IEEE basic operations (+ - * / sqrt, explicit fma, comparisons, bit casts);
+//     the build passes -ffp-contract=off, so the compiler cannot fuse a*b+c into an FMA
+//     in one copy of a loop (the vector body) and not in another (the scalar tail); an
+//     FMA is written out (__builtin_fmaf: one correctly rounded operation, vector or not);
 //   * reductions run over explicit lanes (LANES independent partial sums) combined by a
 //     fixed halving tree, so vectorising them changes nothing;
 //   * transcendentals are our own polynomials (exp_f below), identical whether a lane

@@ -12,8 +12,8 @@ how many rows share the call.
   the forward must match the engine).
 * RoPE: cos/sin come from a per-process table built in chunks of exactly TABLE_CHUNK
   positions (every chunk one call of the same shape, so a position's cos/sin bits are
-  the same whichever forward first needed it) and gathered by position; the rotation is
-  multiplies and adds (exact IEEE operations in any vector form).
+  the same whichever forward first needed it); the rotation (multiplies and adds) is one
+  compiled call reading each token's table row (kernels/csrc/rowwise.cpp).
 """
 
 from __future__ import annotations
@@ -70,20 +70,48 @@ def _table(d: int, theta: float, n: int, device) -> list:
     return t
 
 
-def rope_cos_sin(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
-    """cos, sin [T, 1, d] for the positions, in `dtype` (HF: computed in fp32, cast)."""
+def _tables(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
+    """The cos/sin tables [P, d] in `dtype` (HF: computed in fp32, cast) covering positions."""
     n = int(positions.max()) + 1 if positions.numel() else 1
     t = _table(d, theta, n, positions.device)
     if dtype not in t[2] or t[2][dtype][0].shape[0] != t[0].shape[0]:
         t[2][dtype] = (t[0].to(dtype), t[1].to(dtype))
-    cos, sin = t[2][dtype]
+    return t[2][dtype]
+
+
+def rope_cos_sin(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
+    """cos, sin [T, 1, d] for the positions, in `dtype`."""
+    cos, sin = _tables(positions, d, theta, dtype)
     idx = positions.long()
     return cos[idx][:, None, :], sin[idx][:, None, :]
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (HF semantics) on x [T, heads, d]."""
+def _rope_eager(x, cos, sin):
     d = x.shape[-1]
-    cos, sin = rope_cos_sin(positions, d, theta, x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, theta):
+        ctx.save_for_backward(positions)
+        ctx.theta = theta
+        cos, sin = _tables(positions, x.shape[-1], theta, x.dtype)
+        return _ops().rope(x, cos, sin, positions)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        cos, sin = rope_cos_sin(positions, grad.shape[-1], ctx.theta, grad.dtype)
+        d = grad.shape[-1]
+        gs = grad * sin  # y = x*c + rot(x)*s, rot(x) = [-x2, x1]: dx = g*c + rot^T(g*s)
+        return grad * cos + torch.cat([gs[..., d // 2:], -gs[..., : d // 2]], -1), None, None
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (HF semantics: x*cos + rot(x)*sin, each product rounded to x's
+    dtype) on x [T, heads, d]: one compiled call, cos/sin rows read from the table."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, positions, theta)
+    cos, sin = _tables(positions, x.shape[-1], theta, x.dtype)
+    return _ops().rope(x, cos, sin, positions)

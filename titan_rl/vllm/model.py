@@ -19,8 +19,8 @@ from vllm.model_executor.layers.attention import Attention
 
 from titan_rl.kernels import lm_head_logits
 from titan_rl.kernels.matmul.torch_impl import pack_weight
-from titan_rl.models.qwen3 import Linear
 from titan_rl.kernels.selfcheck import check_platform
+from titan_rl.models import qwen3
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.attention import TitanAttentionBackend
 
@@ -102,5 +102,9 @@ class TitanForCausalLM(nn.Module):
         """Prepare every linear's weight for the GEMM once per load (dtype, layout),
         instead of once per call as the trainer does; the bits are the same."""
         for m in self._net.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, qwen3.Linear):
                 m.gemm_weight = pack_weight(m.weight)
+            elif isinstance(m, qwen3.Attention):
+                m.packed_qkv = pack_weight(torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach())
+            elif isinstance(m, qwen3.MLP):
+                m.packed_gate_up = pack_weight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())

@@ -1,0 +1,158 @@
+// Row-wise ops on the decode hot path, one call each instead of a chain of small torch
+// ops: RMSNorm, RoPE (q and k in one call) and the KV-cache write. The same IEEE
+// operations for every row whatever the row count (common.h).
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace titan_rl {
+namespace {
+
+template <typename T>
+inline T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// out = w * round_x(x * 1/sqrt(mean(x^2) + eps)): HF Qwen3 semantics (normalise in fp32,
+// round to x's dtype, scale, the product in the promoted dtype). mean(x^2) is LANES
+// partial sums (element i into lane i mod LANES) combined by the fixed tree, then / N.
+template <typename TX, typename TW, typename TO>
+void rms_rows(const TX* x, const TW* w, TO* o, int64_t rows, int64_t N, float eps) {
+  at::parallel_for(0, rows, 64, [=](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const TX* xr = x + r * N;
+      TO* orow = o + r * N;
+      float lanes[LANES];
+      for (int l = 0; l < LANES; ++l) lanes[l] = 0.0f;
+      const int64_t full = N - N % LANES;
+      for (int64_t i0 = 0; i0 < full; i0 += LANES)
+        for (int l = 0; l < LANES; ++l) {
+          const float v = to_f(xr[i0 + l]);
+          lanes[l] = lanes[l] + v * v;
+        }
+      for (int64_t i = full; i < N; ++i) {
+        const float v = to_f(xr[i]);
+        lanes[i - full] = lanes[i - full] + v * v;
+      }
+      const float inv = 1.0f / std::sqrt(lane_tree(lanes) / static_cast<float>(N) + eps);
+      for (int64_t i = 0; i < N; ++i) {
+        const float y = to_f(from_f<TX>(to_f(xr[i]) * inv));
+        orow[i] = from_f<TO>(to_f(w[i]) * y);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t N = x.size(-1);
+  TORCH_CHECK(w.numel() == N, "rms_norm: weight has ", w.numel(), " elements, rows ", N);
+  const bool xb = x.scalar_type() == at::kBFloat16, wb = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((xb || x.scalar_type() == at::kFloat) && (wb || w.scalar_type() == at::kFloat),
+              "rms_norm: float32 or bfloat16 only");
+  const bool ob = xb && wb;
+  at::Tensor o = at::empty(x.sizes(), x.options().dtype(ob ? at::kBFloat16 : at::kFloat));
+  const int64_t rows = N ? x.numel() / N : 0;
+  const float e = static_cast<float>(eps);
+  using B = c10::BFloat16;
+  if (xb && wb) rms_rows<B, B, B>(ptr<B>(x), ptr<B>(w), ptr<B>(o), rows, N, e);
+  else if (xb) rms_rows<B, float, float>(ptr<B>(x), ptr<float>(w), ptr<float>(o), rows, N, e);
+  else if (wb) rms_rows<float, B, float>(ptr<float>(x), ptr<B>(w), ptr<float>(o), rows, N, e);
+  else rms_rows<float, float, float>(ptr<float>(x), ptr<float>(w), ptr<float>(o), rows, N, e);
+  return o;
+}
+
+// Rotate-half RoPE, HF semantics in x's dtype: out = round(round(x * c) + round(rot(x) * s)),
+// rot(x) = [-x2, x1], c/s the table rows (already in x's dtype) of each token's position.
+template <typename T>
+void rope_rows(const T* x, T* o, const T* cos, const T* sin, const int64_t* pos, int64_t T_, int64_t heads,
+               int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, T_, 16, [=](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* c = cos + pos[t] * d;
+      const T* s = sin + pos[t] * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = x + (t * heads + h) * d;
+        T* orow = o + (t * heads + h) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_f(from_f<T>(to_f(xr[i]) * to_f(c[i])));
+          const float bb = to_f(from_f<T>(-to_f(xr[i + half]) * to_f(s[i])));
+          orow[i] = from_f<T>(a + bb);
+        }
+        for (int64_t i = half; i < d; ++i) {
+          const float a = to_f(from_f<T>(to_f(xr[i]) * to_f(c[i])));
+          const float bb = to_f(from_f<T>(to_f(xr[i - half]) * to_f(s[i])));
+          orow[i] = from_f<T>(a + bb);
+        }
+      }
+    }
+  });
+}
+
+// x [T, heads, d]; cos/sin tables [P, d] in x's dtype; positions [T]. Returns [T, heads, d].
+at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  const at::Tensor x = x_in.contiguous(), pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(x.dim() == 3 && cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type(),
+              "rope: x [T, heads, d] and contiguous tables in x's dtype expected");
+  at::Tensor o = at::empty(x.sizes(), x.options());
+  const int64_t T_ = x.size(0), heads = x.size(1), d = x.size(2);
+  if (x.scalar_type() == at::kFloat)
+    rope_rows<float>(ptr<float>(x), ptr<float>(o), ptr<float>(cos), ptr<float>(sin), ptr<int64_t>(pos), T_, heads, d);
+  else if (x.scalar_type() == at::kBFloat16)
+    rope_rows<c10::BFloat16>(ptr<c10::BFloat16>(x), ptr<c10::BFloat16>(o), ptr<c10::BFloat16>(cos),
+                             ptr<c10::BFloat16>(sin), ptr<int64_t>(pos), T_, heads, d);
+  else
+    TORCH_CHECK(false, "rope: float32 or bfloat16 only");
+  return o;
+}
+
+// Store key/value [n, Hkv, D] at cache slots [n] (page * page_size + offset, >= 0) of
+// cache [pages, Hkv, 2, page, D]: keys transposed ([D, page] per page and head), values
+// as rows (the layout paged_attention reads).
+template <typename C, typename S>
+void write_rows(C* cache, const S* key, const S* value, const int64_t* slots, int64_t n, int64_t hkv, int64_t page,
+                int64_t D) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = slots[t] / page, off = slots[t] % page;
+    for (int64_t h = 0; h < hkv; ++h) {
+      C* base = cache + ((p * hkv + h) * 2) * page * D;
+      const S* k = key + (t * hkv + h) * D;
+      const S* v = value + (t * hkv + h) * D;
+      for (int64_t d = 0; d < D; ++d) base[d * page + off] = from_f<C>(to_f(k[d]));
+      C* vrow = base + page * D + off * D;
+      for (int64_t d = 0; d < D; ++d) vrow[d] = from_f<C>(to_f(v[d]));
+    }
+  }
+}
+
+void kv_cache_write(at::Tensor& cache, const at::Tensor& key_in, const at::Tensor& value_in,
+                    const at::Tensor& slots_in) {
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(), "kv_cache_write: cache [pages, Hkv, 2, page, D], contiguous");
+  const at::Tensor key = key_in.contiguous(), value = value_in.contiguous(), slots = slots_in.to(at::kLong).contiguous();
+  const int64_t hkv = cache.size(1), page = cache.size(3), D = cache.size(4), n = slots.numel();
+  TORCH_CHECK(key.numel() == n * hkv * D && value.numel() == n * hkv * D, "kv_cache_write: key/value shape");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "kv_cache_write: key/value dtypes differ");
+  using B = c10::BFloat16;
+  const bool cb = cache.scalar_type() == at::kBFloat16, sb = key.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((cb || cache.scalar_type() == at::kFloat) && (sb || key.scalar_type() == at::kFloat),
+              "kv_cache_write: float32 or bfloat16 only");
+  const int64_t* sl = ptr<int64_t>(slots);
+  if (cb && sb) write_rows<B, B>(ptr<B>(cache), ptr<B>(key), ptr<B>(value), sl, n, hkv, page, D);
+  else if (cb) write_rows<B, float>(ptr<B>(cache), ptr<float>(key), ptr<float>(value), sl, n, hkv, page, D);
+  else if (sb) write_rows<float, B>(ptr<float>(cache), ptr<B>(key), ptr<B>(value), sl, n, hkv, page, D);
+  else write_rows<float, float>(ptr<float>(cache), ptr<float>(key), ptr<float>(value), sl, n, hkv, page, D);
+}
+
+}  // namespace
+}  // namespace titan_rl
+
+TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &titan_rl::rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor", &titan_rl::rope);
+  m.def("kv_cache_write(Tensor(a!) cache, Tensor key, Tensor value, Tensor slots) -> ()", &titan_rl::kv_cache_write);
+}
