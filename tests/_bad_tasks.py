@@ -13,3 +13,10 @@ class NanRewardTask(DigitReverseTask):
     def reward(self, example, completion_ids):
         self.calls += 1
         return float("nan") if self.calls % self.every == 0 else super().reward(example, completion_ids)
+
+
+class BrokenSampleTask(DigitReverseTask):
+    """A prompt source that fails (as a dataset that cannot be read would)."""
+
+    def sample(self, n, seed):
+        raise FileNotFoundError("prompts.jsonl")

@@ -111,6 +111,13 @@ def test_task_that_cannot_be_imported_fails_in_seconds(tmp_path):
     _one_line_error(r, r"task.name = 'digit_revers': .*did you mean 'digit_reverse'\?")
 
 
+def test_prompt_source_is_called_dry_at_start(tmp_path):
+    r = _cli(["--run-dir", str(tmp_path / "run"), '--task.name="tests._bad_tasks:BrokenSampleTask"'])
+    _one_line_error(r, r"task 'tests._bad_tasks:BrokenSampleTask': sample\(8, seed=\d+\) for step \d+ raised "
+                       r"FileNotFoundError: prompts.jsonl")
+    assert r.seconds < 30 and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_prompt_longer_than_max_model_len_fails_before_the_sft_phase(tmp_path):
     run = tmp_path / "run"
     r = _cli(["--run-dir", str(run), "--task.kwargs={min_len = 40, max_len = 60}"])

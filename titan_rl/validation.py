@@ -189,12 +189,15 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
                         f"with the task's max_new_tokens = {new} it needs {need} positions > rollout.max_model_len "
                         f"= {r.max_model_len}: raise rollout.max_model_len to >= {need} or shorten the prompts")
     if a.sft_steps > 0:
+        what = f"task {name!r}: sft_pairs(1, ...) (the supervised warm-up, algorithm.sft_steps = {a.sft_steps})"
         try:
             pairs = task.sft_pairs(1, seed=step_seed(cfg.training.seed, 1, 1, 0))
-            assert len(pairs) == 1 and all(isinstance(t, int) for t in pairs[0][0] + pairs[0][1])
         except Exception as e:
-            raise UserError(f"task {name!r}: sft_pairs(1, ...) (the supervised warm-up, algorithm.sft_steps = "
-                            f"{a.sft_steps}) failed: {type(e).__name__}: {e}") from None
+            raise UserError(f"{what} raised {type(e).__name__}: {e}") from None
+        ok = (isinstance(pairs, list) and len(pairs) == 1 and len(pairs[0]) == 2
+              and all(isinstance(t, int) for t in list(pairs[0][0]) + list(pairs[0][1])))
+        if not ok:
+            raise UserError(f"{what} returned {pairs!r:.200}: need one (prompt_ids, target_ids) pair of int lists")
 
 
 def check_reward(value, task_name: str, example_index: int, example, completion_index: int, completion, tok,
