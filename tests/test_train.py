@@ -54,6 +54,10 @@ def test_rl_run_has_zero_mismatch_and_equal_weights(uninterrupted):
                     "rollout_tokens_per_s", "train_tokens_per_s"):
             assert key in m
     assert "rl   reward" in r.stdout  # the console progress line
+    assert r.stderr.strip() == "", r.stderr  # known-harmless third-party noise is filtered
+    lines = r.stdout.strip().splitlines()
+    assert all(ln.startswith("step ") for ln in lines[:-1]), r.stdout
+    assert lines[-1].startswith("done: 6 steps (2 sft + 4 rl)") and "max |dlogp| 0 over 4 rl steps" in lines[-1]
 
 
 def test_kill_and_resume_equals_uninterrupted(uninterrupted, tmp_path):

@@ -36,6 +36,7 @@ __all__ = [
     "CONFIG_NAME",
     "INDEX_NAME",
     "WEIGHTS_NAME",
+    "check_hf_folder",
     "checkpoint_fingerprint",
     "load_hf_folder",
     "load_state_dict_strict",
@@ -98,9 +99,16 @@ def _fmt_shape(shape) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
-def _validate(model: torch.nn.Module, found: Mapping[str, tuple[int, ...]], source: str) -> dict[str, str]:
+def _validate(model: torch.nn.Module, found: Mapping[str, tuple[int, ...]], source: str,
+              where: Mapping[str, Path] | None = None) -> dict[str, str]:
     """Check checkpoint names/shapes against the model. Returns {checkpoint key: model key}
-    to copy (one entry per tie group); raises one CheckpointError listing every problem."""
+    to copy (one entry per tie group); raises one CheckpointError listing every problem
+    (`where`: key -> the file holding it, named in the message)."""
+    where = where or {}
+
+    def _in(k: str) -> str:
+        return f" in {where[k].name}" if k in where else ""
+
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     aliases = _tied_aliases(model)
     groups: dict[str, list[str]] = {}
@@ -118,11 +126,11 @@ def _validate(model: torch.nn.Module, found: Mapping[str, tuple[int, ...]], sour
         for m in present:
             if tuple(found[m]) != expected[m]:
                 problems.append(
-                    f"wrong shape for {m}: expected {_fmt_shape(expected[m])}, found {_fmt_shape(found[m])}"
+                    f"wrong shape for {m}: expected {_fmt_shape(expected[m])}, found {_fmt_shape(found[m])}{_in(m)}"
                 )
         plan[present[0]] = canonical
     for name in sorted(k for k in found if k not in expected):
-        problems.append(f"unexpected key {name}: found shape {_fmt_shape(found[name])} (the model has no such parameter)")
+        problems.append(f"unexpected key {name}: found shape {_fmt_shape(found[name])}{_in(name)} (the model has no such parameter)")
 
     if problems:
         head = (
@@ -320,6 +328,49 @@ def _scan(files: list[Path], path: Path) -> tuple[dict[str, tuple[int, ...]], di
     return shapes, where, dtypes
 
 
+def _check_architecture(d: dict, spec: ArchitectureSpec, cfg_path: Path) -> None:
+    """config.json's `architectures` must name this spec: vLLM resolves its class from that
+    field, so a folder of another architecture would otherwise load under the wrong model."""
+    archs = d.get("architectures")
+    if archs is None:
+        return
+    allowed = {spec.vllm_architecture, spec.hf_architecture}
+    if not isinstance(archs, list) or not archs or not all(a in allowed for a in archs):
+        others = [n for n in list_architectures()
+                  if isinstance(archs, list) and {get_architecture(n).vllm_architecture,
+                                                  get_architecture(n).hf_architecture} & set(archs)]
+        hint = f"; that is model.name = {others[0]!r}" if others else ""
+        raise CheckpointError(f"{cfg_path}: architectures = {archs!r} is not {spec.name!r} (model.name); "
+                              f"allowed: {sorted(allowed)}{hint}")
+
+
+def check_hf_folder(path: str | os.PathLike, arch: str = "qwen3"):
+    """Everything `load_hf_folder` checks, without reading tensor data: the folder,
+    config.json (valid, of architecture `arch`), the weight files (readable headers,
+    sizes that cover their data) and every key and shape against the model, built on the
+    meta device. Run before vLLM or DCP see a folder: their errors name no file.
+    Returns the model config."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint folder {path} {what}")
+    spec = get_architecture(arch)
+    d = _read_config(path)
+    _check_architecture(d, spec, path / CONFIG_NAME)
+    try:
+        cfg = spec.config_from_hf(d)
+    except KeyError as e:
+        raise CheckpointError(f"{path / CONFIG_NAME} lacks the field {e.args[0]!r} needed to build {arch!r}") from e
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path / CONFIG_NAME}: {e}") from e
+    files = _weight_files(path)
+    shapes, where, _ = _scan(files, path)
+    with torch.device("meta"):
+        model = spec.build(cfg, kernels="exact")
+    _validate(model, shapes, str(path), where)
+    return cfg
+
+
 _ST_FLOAT = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -339,6 +390,7 @@ def load_hf_folder(
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     spec = get_architecture(arch)
     d = _read_config(path)
+    _check_architecture(d, spec, path / CONFIG_NAME)
     try:
         cfg = spec.config_from_hf(d)
     except KeyError as e:
@@ -354,7 +406,7 @@ def load_hf_folder(
 
     model = spec.build(cfg, kernels=kernels)
     model.to(dtype)  # module.to keeps tied parameters tied
-    plan = _validate(model, shapes, str(path))
+    plan = _validate(model, shapes, str(path), where)
     pairs = _tie_groups_present(model, shapes)
     alias_values: dict[str, torch.Tensor] = {}
     targets = model.state_dict(keep_vars=True)

@@ -138,8 +138,12 @@ class AlgorithmConfig:
     sft_steps: int = 40  # supervised warm-up on the task's format before RL
     sft_batch: int = 64
     rl_lr_scale: float = 0.1  # RL steps use optimizer.lr * rl_lr_scale (policy gradients are noisier than SFT)
+    # a non-finite loss or grad norm: "stop" the run before the optimizer step (the weights
+    # and the last checkpoint stay finite), or "skip" the step (counted in metrics.jsonl)
+    on_nonfinite: str = "stop"
 
-    _choices = {"advantage_scale": ("std", "none"), "loss_agg": ("token_mean", "seq_mean")}
+    _choices = {"advantage_scale": ("std", "none"), "loss_agg": ("token_mean", "seq_mean"),
+                "on_nonfinite": ("stop", "skip")}
 
 
 @dataclass
@@ -239,8 +243,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"algorithm.{key} = {getattr(a, key)}: must be >= 1")
     if a.group_size < 2:
         raise ConfigError(f"algorithm.group_size = {a.group_size}: GRPO needs >= 2 completions per prompt")
-    if a.sft_steps < 0 or a.clip_eps < 0:
-        raise ConfigError("algorithm.sft_steps and algorithm.clip_eps must be >= 0")
     if cfg.training.steps < 1:
         raise ConfigError(f"training.steps = {cfg.training.steps}: must be >= 1")
     if cfg.lr_scheduler.warmup_steps >= cfg.training.steps:
@@ -254,16 +256,59 @@ def validate(cfg: Config) -> None:
     if tp > 1 and (leaves == 0 or leaves % tp):
         raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} needs model.tp_leaves a multiple of it "
                           f"(got {leaves}; 8 covers TP 1/2/4/8) for the trainer to stay bitwise equal to the engine")
-    if cfg.checkpoint.interval < 1:
-        raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval}: must be >= 1")
     if cfg.rollout.router_replay == "replay" and not cfg.model.checkpoint:
         flavor_cfg = spec.flavors.get(cfg.model.flavor)
         if getattr(flavor_cfg, "num_experts", 0) < 1:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
+    _check_ranges(cfg)
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
+
+
+# (key, test, what is allowed): every numeric value with a range. A value outside it would
+# not fail loudly later: a negative lr trains by gradient ascent, a zero eps divides by 0.
+_RANGES = [
+    ("optimizer.lr", lambda v: v > 0, "> 0"),
+    ("optimizer.eps", lambda v: v > 0, "> 0"),
+    ("optimizer.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optimizer.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("training.max_norm", lambda v: v > 0, "> 0"),
+    ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("lr_scheduler.decay_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("lr_scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.rl_lr_scale", lambda v: v > 0, "> 0"),
+    ("algorithm.sft_steps", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_eps", lambda v: v >= 0, ">= 0 (0 = no clipping)"),
+    ("model.init_std", lambda v: v > 0, "> 0"),
+    ("sampling.max_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout.kv_cache_mib", lambda v: v >= 1, ">= 1"),
+    ("rollout.max_num_seqs", lambda v: v >= 1, ">= 1"),
+    ("rollout.max_num_batched_tokens", lambda v: v >= 0, ">= 0 (0 = vLLM's default)"),
+    ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
+    ("parity.num_prompts", lambda v: v >= 1, ">= 1"),
+    ("parity.full_vocab_prompts", lambda v: v >= 0, ">= 0"),
+    ("parity.trainer_batch_sizes", lambda v: len(v) > 0 and min(v) >= 1, "a non-empty list of sizes >= 1"),
+    ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1"),
+    ("checkpoint.interval", lambda v: v >= 1, ">= 1"),
+    # TorchTitan refuses 1 (the newest copy may still be being written) with a traceback
+    ("checkpoint.keep_latest_k", lambda v: v == 0 or v >= 2, "0 (keep all) or >= 2"),
+    ("checkpoint.folder", lambda v: bool(v.strip()) and not Path(v).is_absolute() and ".." not in Path(v).parts,
+     "a non-empty folder name inside the run dir"),
+    ("metrics.log_freq", lambda v: v >= 1, ">= 1"),
+]
+
+
+def _check_ranges(cfg: Config) -> None:
+    import math
+
+    for key, ok, allowed in _RANGES:
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if isinstance(v, float) and not math.isfinite(v) or not ok(v):
+            raise ConfigError(f"{key} = {v!r}: must be {allowed}")
 
 
 def validate_parity(cfg: Config) -> None:

@@ -243,12 +243,22 @@ def main(argv=None) -> int:
                     help="also store per-token arrays in the JSON (for python -m titan_rl.report)")
     ap.add_argument("overrides", nargs="*", help="--section.key=value")
     args, extra = ap.parse_known_args(argv)
+    from titan_rl import validation as v
+
     try:
+        # a misspelt option lands in `extra` and its value among the overrides: name the option
+        v.check_cli_overrides(extra + list(args.overrides),
+                              [o for a in ap._actions for o in a.option_strings if o.startswith("--")])
         cfg = config_mod.load(args.config, list(args.overrides) + extra)
         config_mod.validate_parity(cfg)
-    except config_mod.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        if args.num_prompts is not None and args.num_prompts < 1:
+            raise v.UserError(f"--num-prompts = {args.num_prompts}: must be >= 1")
+        if cfg.model.checkpoint:  # strictly, before vLLM's loader (its errors name no file)
+            from titan_rl.checkpoint import check_hf_folder
+
+            check_hf_folder(cfg.model.checkpoint, arch=cfg.model.name)
+    except v.USER_ERRORS as e:
+        return v.report_error(e, "config error" if isinstance(e, config_mod.ConfigError) else "error")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     seed = cfg.parity.seed if args.seed is None else args.seed
     n = cfg.parity.num_prompts if args.num_prompts is None else args.num_prompts

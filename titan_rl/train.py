@@ -26,29 +26,55 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+# c10's C++ warnings (read at torch import): the one a run prints is vLLM's CPU worker
+# announcing its NUMA memory binding. Set TORCH_CPP_LOG_LEVEL=WARNING to see them.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 def main(argv=None) -> int:
+    from titan_rl import quiet
+
+    quiet.install()
     from titan_rl import config as config_mod
+    from titan_rl import validation as v
 
     ap = argparse.ArgumentParser(prog="python -m titan_rl.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="TOML file (default: the built-in debug config)")
     ap.add_argument("--run-dir", default=None, help="default: runs/<config name>")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    ap.add_argument("--allow-config-change", default="", metavar="KEY[,KEY...]",
+                    help="resume a run dir whose stored config differs in these keys (logged in metrics.jsonl)")
     args, overrides = ap.parse_known_args(argv)
     path = args.config or str(Path(__file__).resolve().parent.parent / "train_configs" / "rl_debug.toml")
-    try:
-        cfg = config_mod.load(path, overrides)
-    except config_mod.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(config_mod.to_toml(cfg))
-        return 0
     run_dir = args.run_dir or os.path.join("runs", Path(path).stem)
-    from titan_rl.rl.trainer import run
+    allow = [k.strip() for k in args.allow_config_change.split(",") if k.strip()]
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        v.check_cli_overrides(overrides, [o for a in ap._actions for o in a.option_strings if o.startswith("--")])
+        cfg = config_mod.load(path, overrides)
+        if args.print_config:
+            print(config_mod.to_toml(cfg))
+            return 0
+        task, changes = v.preflight_train(cfg, run_dir, allow)
+        done = v.latest_checkpoint_step(cfg, run_dir) if cfg.checkpoint.enable else 0
+        if done >= cfg.training.steps:
+            if rank0:
+                print(f"run dir {run_dir!r} has already finished: checkpoint at step {done} of "
+                      f"training.steps = {cfg.training.steps}; nothing to do (raise training.steps with "
+                      f"--allow-config-change=training.steps to continue it)", flush=True)
+                from titan_rl.summary import summary_line
 
-    return run(cfg, run_dir)
+                line = summary_line(cfg, run_dir)
+                if line:
+                    print(line, flush=True)
+            return 0
+        if rank0:
+            v.write_run_config(cfg, run_dir)
+        from titan_rl.rl.trainer import run
+
+        return run(cfg, run_dir, task=task, config_changes=changes)
+    except v.USER_ERRORS + (v.RunStopped,) as e:
+        return v.report_error(e, "config error" if isinstance(e, config_mod.ConfigError) else "error")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import shutil
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +36,9 @@ from titan_rl.checkpoint import checkpoint_fingerprint  # noqa: E402
 from titan_rl.config import Config  # noqa: E402
 from titan_rl.kernels import log_softmax_fp32  # noqa: E402
 from titan_rl.registry import get_architecture  # noqa: E402
+from titan_rl.rl.seeds import step_seed  # noqa: E402
 from titan_rl.tasks import load_task  # noqa: E402
+from titan_rl.validation import RunStopped, UserError, check_reward, latest_checkpoint_step  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -79,11 +84,7 @@ class _StepLoader(BaseDataLoader):
         pass
 
 
-def _seed(*parts: int) -> int:
-    h = 0
-    for p in parts:
-        h = (h * 1_000_003 + int(p)) % (2**31 - 1)
-    return h
+_seed = step_seed
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -139,7 +140,8 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
                                       tensor_parallel_degree=cfg.parallelism.tensor_parallel_degree),
         checkpoint=CheckpointManager.Config(enable=c.enable or bool(initial_load), interval=c.interval,
                                             folder=c.folder, keep_latest_k=c.keep_latest_k,
-                                            last_save_model_only=False, **initial_load),
+                                            last_save_model_only=False,
+                                            **(initial_load or dict(initial_load_model_only=False))),
         metrics=MetricsProcessor.Config(log_freq=cfg.metrics.log_freq,
                                         enable_tensorboard=cfg.metrics.enable_tensorboard),
         activation_checkpoint=None,
@@ -149,9 +151,11 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
 
 
 class RLTrainer(Trainer):
-    def __init__(self, config: Trainer.Config, rl: Config, run_dir: str):
+    def __init__(self, config: Trainer.Config, rl: Config, run_dir: str, task=None, config_changes=None):
         self.rl, self.run_dir = rl, run_dir
-        self.task = load_task(rl.task.name, **rl.task.kwargs)
+        self.task = task if task is not None else load_task(rl.task.name, **rl.task.kwargs)
+        self.config_changes = config_changes or {}
+        self._skipped = False
         super().__init__(config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -179,7 +183,7 @@ class RLTrainer(Trainer):
         dtype = DTYPES[self.rl.model.dtype]
         return {n: _full(p).detach().to(dtype).contiguous() for n, p in self.model.named_parameters()}
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, loss: float) -> float:
         """Clip by the global grad norm and step (the LR schedule advances once per training
         step, in train_step, however many updates a batch gets). The norm is taken
         over full gradients: under TP, parameters live on different meshes (TP-sharded
@@ -187,6 +191,20 @@ class RLTrainer(Trainer):
         stack; full_tensor() gives every rank the same norm."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         total = torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads))
+        # A NaN/inf here would reach every weight through the optimizer and be saved in
+        # the next checkpoint; the loss is per rank, so the decision is taken by all ranks.
+        if self._all_max(0.0 if math.isfinite(loss) and bool(torch.isfinite(total)) else 1.0) > 0:
+            self.optimizers.zero_grad()
+            what = f"non-finite loss {loss} / grad norm {float(total)} at step {self.step}"
+            if self.rl.algorithm.on_nonfinite == "stop":
+                last = latest_checkpoint_step(self.rl, self.run_dir) if self.rl.checkpoint.enable else 0
+                kept = f"the last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
+                raise RunStopped(f"{what}: stopped before the optimizer step, so no weight changed; {kept}. "
+                                 "Lower optimizer.lr, or set algorithm.on_nonfinite = 'skip' to skip such steps")
+            self._skipped = True
+            if self.rank == 0:
+                print(f"WARNING: {what}: step skipped (algorithm.on_nonfinite = 'skip')", flush=True)
+            return float(total)
         coef = torch.clamp(self.rl.training.max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
@@ -268,6 +286,7 @@ class RLTrainer(Trainer):
             self._truncate_metrics()
             self._resumed_checked = True
         t0 = time.perf_counter()
+        self._skipped = False
         self.model.train()
         self._set_phase_lr()
         lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
@@ -279,6 +298,14 @@ class RLTrainer(Trainer):
         m["step"] = self.step
         m["lr"] = lr
         m["step_seconds"] = time.perf_counter() - t0
+        if self._skipped:
+            m["skipped_nonfinite"] = True
+        if self.config_changes:  # the first step after a relaunch that changed these keys
+            m["config_changes"] = {k: list(v) for k, v in self.config_changes.items()}
+            if self.rank == 0:
+                listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in self.config_changes.items())
+                print(f"WARNING: resumed at step {self.step} with changed config (allowed): {listed}", flush=True)
+            self.config_changes = {}
         self._log(m)
 
     def _sft_step(self) -> dict:
@@ -292,7 +319,7 @@ class RLTrainer(Trainer):
         logp = self._token_logprobs(batch)
         loss = -(logp * mask).sum() / mask.sum() + self._aux_loss()
         loss.backward()
-        grad_norm = self._optimizer_step()
+        grad_norm = self._optimizer_step(float(loss.detach()))
         return {"phase": "sft", "loss": self._all_mean(float(loss.detach())), "grad_norm": grad_norm,
                 "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
 
@@ -346,13 +373,16 @@ class RLTrainer(Trainer):
         scale = self.rl.algorithm.rl_lr_scale if self.step > self.rl.algorithm.sft_steps else 1.0
         for sched, base0 in zip(self.lr_schedulers.schedulers, self._base_lrs):
             sched.base_lrs = [b * scale for b in base0]
-            for group, lr in zip(sched.optimizer.param_groups, sched.get_lr()):
+            with warnings.catch_warnings():  # get_lr() outside step() warns; it is the pure schedule here
+                warnings.simplefilter("ignore", UserWarning)
+                lrs = sched.get_lr()
+            for group, lr in zip(sched.optimizer.param_groups, lrs):
                 group["lr"] = lr
 
     def _rl_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
         rollouts, t_roll, kept, routes = self._rollout()
-        rewards = torch.tensor([self.task.reward(ex, toks) for ex, toks, _ in rollouts], dtype=torch.float32)
+        rewards = torch.tensor(self._rewards(rollouts), dtype=torch.float32)
         adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
         seqs = [list(ex.prompt_ids) + toks for ex, toks, _ in rollouts]
         batch = _pad_batch(seqs, tok.pad_id)
@@ -395,7 +425,7 @@ class RLTrainer(Trainer):
             t2 = time.perf_counter()
             loss.backward()
             t3 = time.perf_counter()
-            grad_norm = self._optimizer_step()
+            grad_norm = self._optimizer_step(float(loss.detach()))
             t["forward"] += t1 - t0
             t["backward"] += t3 - t2
             t["optimizer"] += time.perf_counter() - t3
@@ -422,6 +452,21 @@ class RLTrainer(Trainer):
             **{f"time_{k}_seconds": v for k, v in t.items()},
         })
         return metrics
+
+    def _rewards(self, rollouts) -> list[float]:
+        """The task's rewards, each checked finite (a NaN reward would make the advantages,
+        the loss and then the weights NaN). All ranks stop together."""
+        g, out, error = self.rl.algorithm.group_size, [], None
+        for j, (ex, toks, _) in enumerate(rollouts):
+            try:
+                out.append(check_reward(self.task.reward(ex, toks), self.rl.task.name, j // g, ex, j % g, toks,
+                                        self.task.tokenizer, self.step))
+            except UserError as e:
+                error = e
+                break
+        if self._all_max(1.0 if error else 0.0) > 0:
+            raise error or UserError(f"step {self.step}: another rank's task returned a non-finite reward")
+        return out
 
     def _correct(self, pi_old, mu, mask, metrics):
         """Decoupled correction for a residual mismatch: the PPO ratio is taken against
@@ -488,13 +533,15 @@ class RLTrainer(Trainer):
             logger.log({k: float(v) for k, v in m.items() if isinstance(v, (int, float))}, m["step"])
 
 
-def run(cfg: Config, run_dir: str) -> int:
-    if cfg.model.dtype != "float32":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
-            raise SystemExit(
-                f"model.dtype = {cfg.model.dtype!r} needs FSDP mixed precision (torchrun with >1 rank) so the "
-                "trainer computes in the engine's dtype; use model.dtype = 'float32' for a single process")
+def run(cfg: Config, run_dir: str, task=None, config_changes=None) -> int:
+    """Train; `python -m titan_rl.train` has already run the start-up checks
+    (titan_rl.validation) and passes the task they loaded and the allowed config changes."""
+    from titan_rl.summary import summary_line
+
+    if cfg.model.dtype != "float32" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise UserError(
+            f"model.dtype = {cfg.model.dtype!r} needs FSDP mixed precision (torchrun with >1 rank) so the "
+            "trainer computes in the engine's dtype; use model.dtype = 'float32' for a single process")
     if "LOCAL_RANK" not in os.environ:  # a plain `python -m titan_rl.train`: a world of one
         import socket
 
@@ -505,12 +552,30 @@ def run(cfg: Config, run_dir: str) -> int:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.makedirs(run_dir, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    trainer = RLTrainer(build_titan_config(cfg, run_dir), cfg, run_dir)
+    t0 = time.perf_counter()
+    trainer = RLTrainer(build_titan_config(cfg, run_dir), cfg, run_dir, task=task, config_changes=config_changes)
     try:
         trainer.train()
     finally:
         trainer.close()
+    if trainer.rank == 0:
+        _keep_latest(cfg, run_dir)
+        line = summary_line(cfg, run_dir, time.perf_counter() - t0)
+        if line:
+            print(line, flush=True)
     return 0
+
+
+def _keep_latest(cfg: Config, run_dir: str) -> None:
+    """TorchTitan saves the last step without purging, so keep_latest_k = k left k + 1
+    checkpoints; drop the oldest (after close(), which joins TorchTitan's purge thread)."""
+    k = cfg.checkpoint.keep_latest_k
+    folder = os.path.join(run_dir, cfg.checkpoint.folder)
+    if not cfg.checkpoint.enable or k == 0 or not os.path.isdir(folder):
+        return
+    steps = sorted(int(d[5:]) for d in os.listdir(folder) if d.startswith("step-") and d[5:].isdigit())
+    for step in steps[:-k]:
+        shutil.rmtree(os.path.join(folder, f"step-{step}"), ignore_errors=True)
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -45,6 +45,7 @@ def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: 
         model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed, enforce_eager=True,
         kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
+        use_tqdm_on_load=False,
         hf_overrides={"architectures": [spec.vllm_architecture if engine == "exact" else spec.hf_architecture]},
     )
     if max_num_batched_tokens is not None:

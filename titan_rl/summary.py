@@ -1,0 +1,35 @@
+"""The one line a finished run ends with, computed from RUN_DIR/metrics.jsonl (so a run
+resumed after a crash summarises all its steps, not only this process's)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def summary_line(cfg, run_dir: str, seconds: float | None = None) -> str | None:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        ms = [json.loads(ln) for ln in f if ln.strip()]
+    if not ms:
+        return None
+    rl = [m for m in ms if m.get("phase") == "rl"]
+    sft = [m for m in ms if m.get("phase") == "sft"]
+    parts = [f"done: {ms[-1]['step']} steps ({len(sft)} sft + {len(rl)} rl)"
+             + (f" in {int(seconds // 60)}m{int(seconds % 60):02d}s" if seconds is not None else "")]
+    rewards = [m["reward_mean"] for m in rl if "reward_mean" in m]
+    if rewards:
+        n = min(10, len(rewards))
+        first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+        parts.append(f"reward {first:.2f} (first {n} rl) -> {last:.2f} (last {n})")
+    dl = [m["max_abs_dlogp"] for m in rl if "max_abs_dlogp" in m]
+    if dl:
+        parts.append(f"max |dlogp| {max(dl):.3g} over {len(dl)} rl steps")
+    skipped = sum(1 for m in ms if m.get("skipped_nonfinite"))
+    if skipped:
+        parts.append(f"{skipped} steps skipped (non-finite loss or grad norm)")
+    ckpt = os.path.join(run_dir, cfg.checkpoint.folder)
+    parts.append(f"metrics {path}" + (f", checkpoints {ckpt}" if cfg.checkpoint.enable else ""))
+    return "; ".join(parts)

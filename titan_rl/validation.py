@@ -1,0 +1,244 @@
+"""Everything a run can refuse, checked before any heavy work (TorchTitan, DCP, vLLM).
+
+A user error (bad config value, run dir, task, prompt, checkpoint folder, a relaunch with
+another config) is one line on stderr and exit code 2; a traceback means a bug. The run
+dir remembers its resolved config (RUN_DIR/config.toml) so a relaunch cannot silently mix
+two settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+from pathlib import Path
+
+import tomli
+
+from titan_rl import config as config_mod
+from titan_rl.checkpoint import CheckpointError
+
+CONFIG_FILE = "config.toml"
+
+
+class UserError(Exception):
+    """Bad input from the user (or the user's task code): one line, exit code 2."""
+
+
+class RunStopped(Exception):
+    """The run stopped itself to keep bad values out of the weights: one line, exit code 1."""
+
+
+USER_ERRORS = (UserError, config_mod.ConfigError, CheckpointError)
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def report_error(e: BaseException, prefix: str = "error") -> int:
+    """Print a known error as one line and return its exit code."""
+    print(f"{prefix}: {one_line(e)}", file=sys.stderr, flush=True)
+    return 1 if isinstance(e, RunStopped) else 2
+
+
+def check_cli_overrides(extra: list[str], options: list[str]) -> None:
+    """Arguments argparse did not know must be --section.key=value; a misspelt option
+    is named with the nearest real one (argparse would hand its value on as an override)."""
+    for arg in extra:
+        key, sep, _ = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and "." in key and sep:
+            continue
+        if arg.startswith("--") and "." not in key:
+            m = difflib.get_close_matches(arg.split("=")[0], options, n=1, cutoff=0.5)
+            hint = f"; did you mean {m[0]}?" if m else ""
+            raise UserError(f"unknown option {arg.split('=')[0]}{hint} (options: {', '.join(options)}; "
+                            f"config overrides are --section.key=value)")
+        raise UserError(f"unexpected argument {arg!r}: expected an option ({', '.join(options)}) "
+                        f"or a config override --section.key=value")
+
+
+# -- run dir --------------------------------------------------------------------------
+def check_run_dir(run_dir: str) -> None:
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"--run-dir {run_dir!r} is a file, not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir!r} cannot be created: {e.strerror or e}") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise UserError(f"--run-dir {run_dir!r} is not writable")
+
+
+def _flat(d: dict) -> dict:
+    return {f"{s}.{k}": v for s, table in d.items() if isinstance(table, dict) for k, v in table.items()}
+
+
+def config_diff(old: dict, new: dict) -> dict[str, tuple]:
+    """{section.key: (old, new)} over the union of keys (a key one side lacks shows as None)."""
+    a, b = _flat(old), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def latest_checkpoint_step(cfg: config_mod.Config, run_dir: str) -> int:
+    """The newest complete DCP checkpoint's step (DCP writes .metadata last), 0 if none."""
+    folder = Path(run_dir) / cfg.checkpoint.folder
+    steps = [0]
+    if folder.is_dir():
+        for d in folder.iterdir():
+            if d.name.startswith("step-") and d.name[5:].isdigit() and (d / ".metadata").is_file():
+                steps.append(int(d.name[5:]))
+    return max(steps)
+
+
+def check_run_config(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> dict[str, tuple]:
+    """Compare the resolved config with the one the run dir stored. Returns the allowed
+    changes (to be logged); refuses any other difference when the run dir has progress
+    to resume (a checkpoint), since TorchTitan would resume it under the new settings."""
+    new = dataclasses.asdict(cfg)
+    flat_keys = list(_flat(new))
+    for key in allow:
+        if key not in flat_keys:
+            m = difflib.get_close_matches(key, flat_keys, n=1, cutoff=0.5)
+            raise UserError(f"--allow-config-change {key!r} is not a config key"
+                            + (f"; did you mean {m[0]!r}?" if m else ""))
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file() or not cfg.checkpoint.enable or latest_checkpoint_step(cfg, run_dir) == 0:
+        return {}
+    try:
+        old = tomli.loads(path.read_text())
+    except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid TOML ({e}); it records the run's config: restore it or use a "
+                        f"new --run-dir") from None
+    diff = config_diff(old, new)
+    refused = {k: v for k, v in diff.items() if k not in allow}
+    if refused:
+        listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in refused.items())
+        raise UserError(f"run dir {run_dir!r} holds a run with another config ({path}); differing keys: {listed}. "
+                        f"Resuming would mix both settings: use a new --run-dir, or allow the change with "
+                        f"--allow-config-change={','.join(refused)}")
+    return diff
+
+
+def write_run_config(cfg: config_mod.Config, run_dir: str) -> None:
+    path = Path(run_dir) / CONFIG_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(config_mod.to_toml(cfg))
+    os.replace(tmp, path)
+
+
+# -- task -----------------------------------------------------------------------------
+def load_task_checked(cfg: config_mod.Config):
+    from titan_rl.tasks import BUILTIN_TASKS, load_task
+
+    name = cfg.task.name
+    try:
+        return load_task(name, **cfg.task.kwargs)
+    except ValueError as e:
+        hint = ""
+        if ":" not in name:
+            m = difflib.get_close_matches(name, list(BUILTIN_TASKS), n=1, cutoff=0.5)
+            hint = f"; did you mean {m[0]!r}?" if m else ""
+        raise UserError(f"task.name = {name!r}: {one_line(e).removeprefix('load_task: ')}{hint}") from None
+    except Exception as e:  # the task's own constructor failed: the user's code, not ours
+        raise UserError(f"task.name = {name!r}: constructing it with task.kwargs = {cfg.task.kwargs!r} "
+                        f"raised {type(e).__name__}: {e}") from None
+
+
+def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
+    """A dry call of the task's prompt source for every step the run will take (prompts are
+    a pure function of (seed, step, rank), so these are the run's prompts), checked
+    against the model's vocabulary and rollout.max_model_len."""
+    from titan_rl.rl.seeds import step_seed
+
+    name, a, r = cfg.task.name, cfg.algorithm, cfg.rollout
+    new = getattr(task, "max_new_tokens", None)
+    if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+        raise UserError(f"task {name!r}: max_new_tokens = {new!r}: must be an int >= 1")
+    tok = getattr(task, "tokenizer", None)
+    if tok is None or not isinstance(getattr(tok, "vocab_size", None), int):
+        raise UserError(f"task {name!r} has no tokenizer with an int vocab_size")
+    if tok.vocab_size > vocab_size:
+        raise UserError(f"task {name!r} needs {tok.vocab_size} token ids; the model's vocab_size is {vocab_size}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = range(max(world // cfg.parallelism.tensor_parallel_degree, 1))
+    steps = range(a.sft_steps + 1, cfg.training.steps + 1)
+    for step in steps:
+        for rank in ranks:
+            seed = step_seed(cfg.training.seed, 2, step, rank)
+            try:
+                examples = task.sample(a.prompts_per_step, seed=seed)
+            except Exception as e:
+                raise UserError(f"task {name!r}: sample({a.prompts_per_step}, seed={seed}) for step {step} raised "
+                                f"{type(e).__name__}: {e}") from None
+            if len(examples) != a.prompts_per_step:
+                raise UserError(f"task {name!r}: sample({a.prompts_per_step}, ...) returned {len(examples)} examples")
+            for i, ex in enumerate(examples):
+                ids = getattr(ex, "prompt_ids", None)
+                if not ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+                    raise UserError(f"task {name!r}: example {i} at step {step} has prompt_ids {ids!r}: need a "
+                                    f"non-empty list of ints in [0, {vocab_size})")
+                need = len(ids) + new
+                if need > r.max_model_len:
+                    text = getattr(ex, "prompt_text", "")
+                    raise UserError(
+                        f"task {name!r}: example {i} at RL step {step} ({text!r}) has a {len(ids)}-token prompt; "
+                        f"with the task's max_new_tokens = {new} it needs {need} positions > rollout.max_model_len "
+                        f"= {r.max_model_len}: raise rollout.max_model_len to >= {need} or shorten the prompts")
+    if a.sft_steps > 0:
+        what = f"task {name!r}: sft_pairs(1, ...) (the supervised warm-up, algorithm.sft_steps = {a.sft_steps})"
+        try:
+            pairs = task.sft_pairs(1, seed=step_seed(cfg.training.seed, 1, 1, 0))
+        except Exception as e:
+            raise UserError(f"{what} raised {type(e).__name__}: {e}") from None
+        ok = (isinstance(pairs, list) and len(pairs) == 1 and len(pairs[0]) == 2
+              and all(isinstance(t, int) for t in list(pairs[0][0]) + list(pairs[0][1])))
+        if not ok:
+            raise UserError(f"{what} returned {pairs!r:.200}: need one (prompt_ids, target_ids) pair of int lists")
+
+
+def check_reward(value, task_name: str, example_index: int, example, completion_index: int, completion, tok,
+                 step: int) -> float:
+    """A reward must be a finite number: a NaN would turn the advantages, the loss and then
+    every weight into NaN without an error."""
+    try:
+        r = float(value)
+    except (TypeError, ValueError):
+        r = None
+    if r is not None and math.isfinite(r):
+        return r
+    try:
+        text = tok.decode(completion)
+    except Exception:
+        text = "?"
+    raise UserError(
+        f"task {task_name!r} returned reward {value!r} at step {step} for example {example_index} "
+        f"(prompt {getattr(example, 'prompt_text', '')!r}), completion {completion_index} ({text!r}, ids "
+        f"{list(completion)}): rewards must be finite numbers")
+
+
+# -- model / checkpoint -----------------------------------------------------------------
+def model_vocab(cfg: config_mod.Config) -> int:
+    """The model's vocab size, from the checkpoint folder (checked strictly) or the flavor."""
+    from titan_rl.checkpoint import check_hf_folder
+    from titan_rl.registry import get_architecture
+
+    if cfg.model.checkpoint:
+        return check_hf_folder(cfg.model.checkpoint, arch=cfg.model.name).vocab_size
+    return get_architecture(cfg.model.name).flavors[cfg.model.flavor].vocab_size
+
+
+def preflight_train(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> tuple[object, dict]:
+    """All start-up checks of `python -m titan_rl.train`. Returns (task, allowed config changes)."""
+    if cfg.model.dtype != "float32" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise UserError(
+            f"model.dtype = {cfg.model.dtype!r} needs FSDP mixed precision (torchrun with >1 rank) so the "
+            "trainer computes in the engine's dtype; use model.dtype = 'float32' for a single process")
+    check_run_dir(run_dir)
+    task = load_task_checked(cfg)
+    check_task(cfg, task, model_vocab(cfg))
+    changes = check_run_config(cfg, run_dir, allow)
+    return task, changes
