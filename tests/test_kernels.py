@@ -168,3 +168,60 @@ def test_attention_backward_is_the_gradient(rng):
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         assert torch.equal(attention_dense(q, k, v, 0.2), attention_dense(q.detach(), k.detach(), v.detach(), 0.2))
+
+
+# -- compiled elementwise / row-wise ops: reference closeness, invariance, gradients -----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [7, 200, 1536])
+def test_silu_mul_matches_reference_and_is_row_invariant(width, dtype, rng):
+    from titan_rl.kernels.elementwise import silu_mul
+    from titan_rl.kernels.elementwise.reference import silu_mul_reference
+
+    g, u = (3 * torch.randn(70, width, generator=rng)).to(dtype), torch.randn(70, width, generator=rng).to(dtype)
+    full = silu_mul(g, u)
+    # fp32: the polynomial exp is within ~2 ulp, so silu * up within a few 1e-7 relative
+    # (1e-5 allowed); bf16 rounds twice (silu, then the product, as torch does): within
+    # one bf16 ulp (2^-7 relative) of the once-rounded reference, 2e-2 allowed.
+    tol = 1e-5 if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(full.double(), silu_mul_reference(g, u).double(), rtol=tol, atol=tol)
+    for m in (1, 2, 3, 17, 69):
+        assert torch.equal(silu_mul(g[:m], u[:m]), full[:m]), m
+    g2, u2 = g.detach().float().requires_grad_(), u.detach().float().requires_grad_()
+    silu_mul(g2, u2).sum().backward()
+    g3, u3 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    (torch.nn.functional.silu(g3) * u3).sum().backward()
+    torch.testing.assert_close(g2.grad.double(), g3.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(u2.grad.double(), u3.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_reference_and_its_gradient(dtype, rng):
+    from titan_rl.kernels.elementwise import rope
+    from titan_rl.kernels.elementwise.reference import rope_reference
+
+    x = torch.randn(50, 3, 64, generator=rng).to(dtype)
+    pos = torch.randint(0, 5000, (50,), generator=rng)
+    # fp32 tables vs fp64 cos/sin: the fp32 angle pos * inv_freq is off by up to
+    # 5000 * 2^-24 ~ 3e-4 rad (HF computes it the same way), so 5e-4 absolute for fp32
+    tol = 5e-4 if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(rope(x, pos, 1e6).double(), rope_reference(x, pos, 1e6).double(), rtol=tol, atol=tol)
+    xg = x.detach().float().requires_grad_()
+    w = torch.randn(50, 3, 64, generator=rng)
+    (rope(xg, pos, 1e6) * w).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    (rope_reference(xr, pos, 1e6) * w.double()).sum().backward()
+    torch.testing.assert_close(xg.grad.double(), xr.grad, rtol=5e-4, atol=5e-4)
+
+
+def test_rms_norm_gradient_is_the_eager_one(rng):
+    from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
+
+    x = torch.randn(30, 200, generator=rng, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(200, generator=rng)).requires_grad_()
+    g = torch.randn(30, 200, generator=rng)
+    (rms_norm(x, w, 1e-6) * g).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (rms_norm_eager(x2, w2, 1e-6) * g).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)

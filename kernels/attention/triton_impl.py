@@ -1,4 +1,4 @@
-"""Fixed-block attention in Triton: the same algorithm as torch_impl._blocked_core.
+"""Fixed-block attention in Triton (a different algorithm from the CPU kernel; docs/kernels.md).
 
 One program per (sequence, kv head, tile of BLOCK_R query rows). KV is visited in blocks
 at ABSOLUTE offsets [j*BLOCK, (j+1)*BLOCK), in order j = 0, 1, ..., in two passes, all fp32:
@@ -14,8 +14,8 @@ Why the bits do not depend on batch, length or split:
   * a block entirely in a row's future adds exactly 0, so the loops may stop at
     cdiv(kv_len, BLOCK) without changing any row's bits.
 Scores are recomputed in pass 2 instead of stored: same bits, no scratch memory.
-Row layout (GQA grouping, pad rows with position -1) and the paged-cache gather reuse
-torch_impl's data movement; only the arithmetic is here. A production GPU kernel would
+Row layout (GQA grouping, pad rows with position -1) and the paged-cache gather are
+torch data movement (below); the arithmetic is the kernel. A production GPU kernel would
 read the block table inside the program; the arithmetic would be the same.
 """
 
@@ -23,9 +23,30 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_rl.kernels.attention.torch_impl import BLOCK, _from_rows, _to_rows
+BLOCK = 32  # KV positions per block, at absolute offsets
+ROW_MULTIPLE = 8  # rows per sequence padded to this (the row layout below)
 
 BLOCK_R = 16  # query rows per program (tl.dot needs >= 16); fixed, never from R
+
+
+def _to_rows(q, q_pos, hkv):
+    """q [S, Q, H, D], q_pos [S, Q] -> rows [S, Hkv, R, D] (R = Q*G padded), row positions."""
+    S, Q, H, D = q.shape
+    g = H // hkv
+    rows = q.float().view(S, Q, hkv, g, D).permute(0, 2, 1, 3, 4).reshape(S, hkv, Q * g, D)
+    pos = q_pos[:, :, None].expand(S, Q, g).reshape(S, Q * g)
+    pad = (-(Q * g)) % ROW_MULTIPLE
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(S, hkv, pad, D)], 2)
+        pos = torch.cat([pos, pos.new_full((S, pad), -1)], 1)
+    return rows, pos
+
+
+def _from_rows(out, S, Q, H, D, hkv, dtype):
+    g = H // hkv
+    out = out[:, :, : Q * g].reshape(S, hkv, Q, g, D).permute(0, 2, 1, 3, 4)
+    return out.reshape(S, Q, H, D).to(dtype)
+
 
 
 @triton.jit
