@@ -19,7 +19,10 @@ import torch
 
 _SRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp", "elementwise.cpp", "rowwise.cpp")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+# -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run on one thread.
+# The process already has torch's libgomp.so.1 loaded, which the extension then shares.
+LDFLAGS = ["-fopenmp"]
 _loaded = False
 
 
@@ -40,7 +43,7 @@ def load(verbose: bool = False) -> None:
 
     cpp_extension.load(
         name="titan_rl_cpu", sources=[str(_SRC / s) for s in SOURCES], extra_cflags=CFLAGS,
-        extra_include_paths=[str(_SRC)], build_directory=str(build_dir()), is_python_module=False,
+        extra_ldflags=LDFLAGS, extra_include_paths=[str(_SRC)], build_directory=str(build_dir()), is_python_module=False,
         verbose=verbose,
     )
     _loaded = True
