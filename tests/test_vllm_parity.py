@@ -88,3 +88,22 @@ def test_engine_holds_the_models_parameter_names(setup):
     engines, trainer, _ = setup
     names = {n for n, _ in engine_model(engines["chunked"]).named_parameters() if not n.startswith("attn.")}
     assert names == {n for n, _ in trainer.named_parameters()}
+
+
+def test_bf16_upcast_form_is_exact_too(tmp_path_factory, rng, monkeypatch):
+    """The bf16 GEMM form of CPUs without bf16 instructions (operands upcast to fp32, one
+    fp32 GEMM, rounded; the engine prepares its weights once) run here on purpose:
+    trainer == engine, alone vs in a batch, with chunked prefill."""
+    from titan_rl.kernels.matmul import torch_impl as mm
+
+    monkeypatch.setattr(mm, "BF16_GEMM", "fp32")
+    folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: build("debug").init_weights(seed, 0.05),
+                                        "bfloat16")
+    llm = make_llm(folder, dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
+                   max_num_batched_tokens=64)
+    assert engine_model(llm).model.layers[0].mlp.packed_gate_up.dtype == torch.float32
+    prompts = _prompts(rng, [150, 3, 70, 20])
+    res = _gen(llm, prompts, max_tokens=12)
+    for pi, (_, mu, _) in zip(_trainer_logprobs(trainer, prompts, res), res):
+        assert torch.equal(pi, mu), (pi - mu).abs().max()
+    del llm
