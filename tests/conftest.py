@@ -14,3 +14,12 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+def threads(request):
+    """Run the test at torch thread counts 1 and 2 (invariance must hold at both)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)

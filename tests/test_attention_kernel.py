@@ -27,14 +27,6 @@ ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 LAYOUTS = [(64, 1), (64, 2), (128, 4), (256, 8), (128, 1)]  # (head_dim, GQA ratio)
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _seqs(rng, lens, hkv, g, d, dtype):
     """Per sequence q [L, H, D], k/v [L, Hkv, D]."""
     return [(torch.randn(n, hkv * g, d, generator=rng).to(dtype), torch.randn(n, hkv, d, generator=rng).to(dtype),

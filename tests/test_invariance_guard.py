@@ -28,14 +28,6 @@ SPARSE_ROWS = [1, 2, 3, 7, 8, 63, 64, 65, 127, 128, 129, 200, 257]  # for the co
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _sweep(fn, x, what, rows=ROWS):
     """fn(x[:M]) (and fn(x[-M:]) for M in SUFFIX_ROWS) must give, for every row, the bits
     of fn on that row alone, for every M in rows. Fails listing every bad (M, row)."""

@@ -344,13 +344,8 @@ def _check_architecture(d: dict, spec: ArchitectureSpec, cfg_path: Path) -> None
                               f"allowed: {sorted(allowed)}{hint}")
 
 
-def check_hf_folder(path: str | os.PathLike, arch: str = "qwen3"):
-    """Everything `load_hf_folder` checks, without reading tensor data: the folder,
-    config.json (valid, of architecture `arch`), the weight files (readable headers,
-    sizes that cover their data) and every key and shape against the model, built on the
-    meta device. Run before vLLM or DCP see a folder: their errors name no file.
-    Returns the model config."""
-    path = Path(path)
+def _folder_config(path: Path, arch: str):
+    """The folder exists, its config.json is valid and of architecture `arch`: (spec, config)."""
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise CheckpointError(f"checkpoint folder {path} {what}")
@@ -358,11 +353,21 @@ def check_hf_folder(path: str | os.PathLike, arch: str = "qwen3"):
     d = _read_config(path)
     _check_architecture(d, spec, path / CONFIG_NAME)
     try:
-        cfg = spec.config_from_hf(d)
+        return spec, spec.config_from_hf(d)
     except KeyError as e:
         raise CheckpointError(f"{path / CONFIG_NAME} lacks the field {e.args[0]!r} needed to build {arch!r}") from e
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_NAME}: {e}") from e
+
+
+def check_hf_folder(path: str | os.PathLike, arch: str = "qwen3"):
+    """Everything `load_hf_folder` checks, without reading tensor data: the folder,
+    config.json (valid, of architecture `arch`), the weight files (readable headers,
+    sizes that cover their data) and every key and shape against the model, built on the
+    meta device. Run before vLLM or DCP see a folder: their errors name no file.
+    Returns the model config."""
+    path = Path(path)
+    spec, cfg = _folder_config(path, arch)
     files = _weight_files(path)
     shapes, where, _ = _scan(files, path)
     with torch.device("meta"):
@@ -386,18 +391,7 @@ def load_hf_folder(
     checkpoint stores (when all its floating tensors share one; float32 otherwise).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint folder {path} does not exist")
-    spec = get_architecture(arch)
-    d = _read_config(path)
-    _check_architecture(d, spec, path / CONFIG_NAME)
-    try:
-        cfg = spec.config_from_hf(d)
-    except KeyError as e:
-        raise CheckpointError(f"{path / CONFIG_NAME} lacks the field {e.args[0]!r} needed to build {arch!r}") from e
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{path / CONFIG_NAME}: {e}") from e
-
+    spec, cfg = _folder_config(path, arch)
     files = _weight_files(path)
     shapes, where, stored = _scan(files, path)
     if dtype is None:

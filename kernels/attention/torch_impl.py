@@ -76,15 +76,9 @@ def _halves(kv_cache: torch.Tensor):
 
 def kv_cache_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """Store key/value [n, Hkv, D] of n tokens at cache slots [n] (page * page_size +
-    offset; all >= 0) in the layout attention_paged reads."""
-    if kv_cache.is_contiguous():
-        _ops().kv_cache_write(kv_cache, key, value, slots)
-        return
-    kt, vv = _halves(kv_cache)
-    page = kv_cache.shape[3]
-    p, o = slots // page, slots % page
-    kt[p, :, :, o] = key.to(kt.dtype)
-    vv[p, :, o] = value.to(vv.dtype)
+    offset; all >= 0) in the layout attention_paged reads; kv_cache contiguous (vLLM's
+    per-layer cache is)."""
+    _ops().kv_cache_write(kv_cache, key, value, slots)
 
 
 def attention_paged(

@@ -86,11 +86,6 @@ def rope_cos_sin(positions: torch.Tensor, d: int, theta: float, dtype: torch.dty
     return cos[idx][:, None, :], sin[idx][:, None, :]
 
 
-def _rope_eager(x, cos, sin):
-    d = x.shape[-1]
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
-
-
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions, theta):

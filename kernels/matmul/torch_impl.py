@@ -17,7 +17,7 @@ bf16 (`BF16_GEMM`): "native" bf16 GEMMs where the CPU has bf16 instructions; els
 operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (~5-7x faster than a bf16
 GEMM without those instructions).
 
-The engine prepares each weight once per load (`pack_weight` -> `PackedWeight`); the
+The engine prepares each weight once per load (`PackedWeight`); the
 trainer's weights change every step, so `linear` packs them per call (a copy of K*N
 values, small beside the M*K*N GEMM). Both go through the same reorder and GEMM, so
 both give the same bits. Only the forward must be invariant (it produces the log-probs
@@ -65,10 +65,6 @@ class PackedWeight:
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
-
-
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    return PackedWeight(weight)
 
 
 def _gemm(x2: torch.Tensor, pw: PackedWeight) -> torch.Tensor:

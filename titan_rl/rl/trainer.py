@@ -84,8 +84,6 @@ class _StepLoader(BaseDataLoader):
         pass
 
 
-_seed = step_seed
-
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -310,7 +308,7 @@ class RLTrainer(Trainer):
 
     def _sft_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
-        pairs = self.task.sft_pairs(a.sft_batch, seed=_seed(self.rl.training.seed, 1, self.step, self.dp_rank))
+        pairs = self.task.sft_pairs(a.sft_batch, seed=step_seed(self.rl.training.seed, 1, self.step, self.dp_rank))
         batch = _pad_batch([p + t for p, t in pairs], tok.pad_id)
         mask = torch.zeros(batch.shape[0], batch.shape[1] - 1, dtype=torch.bool)
         for i, (p, t) in enumerate(pairs):
@@ -329,7 +327,7 @@ class RLTrainer(Trainer):
         if self.engine is None:
             self._make_engine()
         a, s = self.rl.algorithm, self.rl.sampling
-        examples = self.task.sample(a.prompts_per_step, seed=_seed(self.rl.training.seed, 2, self.step, self.dp_rank))
+        examples = self.task.sample(a.prompts_per_step, seed=step_seed(self.rl.training.seed, 2, self.step, self.dp_rank))
         reqs, params = [], []
         for i, ex in enumerate(examples):
             for g in range(a.group_size):
@@ -337,7 +335,7 @@ class RLTrainer(Trainer):
                 params.append(SamplingParams(
                     temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
                     stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0,
-                    seed=_seed(self.rl.training.seed, 3, self.step, self.dp_rank, i * a.group_size + g)))
+                    seed=step_seed(self.rl.training.seed, 3, self.step, self.dp_rank, i * a.group_size + g)))
         t0 = time.perf_counter()
         kept = routes = None
         with contextlib.ExitStack() as stack:
