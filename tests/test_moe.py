@@ -16,12 +16,14 @@ from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_expert
 from titan_rl.kernels.moe.reference import moe_experts_reference, router_topk_reference
 from titan_rl.models import qwen3_moe
 
-# Measured max |torch_impl - fp64 reference| (H=64, I=32, |out| ~ 1): fp32 ~2e-7 (weights)
-# / ~5e-7 (experts). bf16 experts: the gate/up outputs and silu(g)*u are rounded to bf16
+# Measured max |torch_impl - fp64 reference| (H=64, I=32, |out| ~ 1): router weights
+# 2.4e-6 over 300 seeds with the oneDNN GEMM (the logits of randn x randn over H = 64 reach
+# |40|, where one fp32 ulp is 3.8e-6; a weight moves by ~p(1-p) per unit of logit error),
+# so 5e-6; experts ~5e-7. bf16 experts: the gate/up outputs and silu(g)*u are rounded to bf16
 # (8 bits) before the down GEMM, so errors scale with the output's magnitude, not with
 # each element (seen: 0.031 at max |out| ~ 5, relative 0.76 on a cancelled element):
 # bound = 2^-6 (a few bf16 ulps) x max(1, max |out|).
-ROUTER_ATOL = 1e-6
+ROUTER_ATOL = 5e-6
 EXPERTS_ATOL = {torch.float32: 5e-6, torch.bfloat16: 2**-6}
 E, K, H, I = 8, 2, 64, 32
 
