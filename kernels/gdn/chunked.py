@@ -27,21 +27,21 @@ from __future__ import annotations
 
 import torch
 
-from titan_rl.kernels.gdn.torch_impl import _check, _lengths, compute_dtype
+from titan_rl.kernels.gdn.inputs import check_shapes, compute_dtype, sequence_lengths
 
 
 def gdn_chunked(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, chunk_size=64):
     """Same signature and returns as gdn_recurrent (o in v's dtype, final_state fp32, or
     fp64 for fp64 inputs), chunk size `chunk_size` (capped at the longest sequence).
     Differentiable by autograd w.r.t. q, k, v, g, beta and initial_state."""
-    _check(q, k, v, g, beta)
+    check_shapes(q, k, v, g, beta)
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     if scale is None:
         scale = dk ** -0.5
     cdt = compute_dtype(v)
     dev = v.device
-    cu, lens_l = _lengths(cu_seqlens, T)
+    cu, lens_l = sequence_lengths(cu_seqlens, T)
     N = len(lens_l)
     S = (initial_state.to(cdt) if initial_state is not None
          else torch.zeros(N, Hv, dk, dv, dtype=cdt, device=dev))

@@ -38,6 +38,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_rl.kernels.gdn.chunked import gdn_chunked
+from titan_rl.kernels.gdn.inputs import check_shapes, compute_dtype, sequence_lengths
+
 LANES = 64  # lane_stable pads rows to a multiple of this (a multiple of every SIMD width)
 PIECE = 4096  # lane_stable calls fn on pieces of exactly this many elements (see there)
 
@@ -117,39 +120,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return xf / torch.sqrt(tree_sum_last(sq) + eps)[..., None]
 
 
-def _lengths(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, list[int]]:
-    cu = cu_seqlens.long()
-    if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError("cu_seqlens must be 1-D with N+1 entries")
-    lens = cu[1:] - cu[:-1]
-    lens_l = lens.tolist()
-    if int(cu[0]) != 0 or int(cu[-1]) != T or any(n < 0 for n in lens_l):
-        raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu.tolist()}")
-    return cu, lens_l
-
-
-def _check(q, k, v, g, beta):
-    T, Hk, dk = q.shape
-    if k.shape != q.shape or v.dim() != 3 or v.shape[0] != T:
-        raise ValueError(f"q, k [T, Hk, dk], v [T, Hv, dv]: got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    Hv = v.shape[1]
-    if Hv % Hk:
-        raise ValueError(f"num_v_heads {Hv} is not a multiple of num_k_heads {Hk}")
-    if g.shape != (T, Hv) or beta.shape != (T, Hv):
-        raise ValueError(f"g, beta must be [T, Hv] = {(T, Hv)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
-
-
-def compute_dtype(v: torch.Tensor) -> torch.dtype:
-    """fp32 state and arithmetic; fp64 only for fp64 inputs (gradchecks)."""
-    return torch.float64 if v.dtype == torch.float64 else torch.float32
-
-
 def _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
-    _check(q, k, v, g, beta)
+    check_shapes(q, k, v, g, beta)
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     cdt = compute_dtype(v)
-    cu, lens_l = _lengths(cu_seqlens, T)
+    cu, lens_l = sequence_lengths(cu_seqlens, T)
     N = len(lens_l)
     dkp = _next_pow2(dk)
     # State [N, Hv, dkp, dv] (the API layout, dk zero-padded to a power of two).
@@ -211,8 +187,6 @@ class _GDNRecurrent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, go, gs):
-        from titan_rl.kernels.gdn.chunked import gdn_chunked
-
         q, k, v, g, beta, cu, init = ctx.saved_tensors
         need = ctx.needs_input_grad
         with torch.enable_grad():
@@ -271,7 +245,7 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
     K = weight.shape[-1]
     H = K - 1
     cdt = compute_dtype(x)
-    cu, lens_l = _lengths(cu_seqlens, T)
+    cu, lens_l = sequence_lengths(cu_seqlens, T)
     N = len(lens_l)
     dev = x.device
     lens = torch.tensor(lens_l, device=dev, dtype=torch.long)
