@@ -357,10 +357,3 @@ def build(flavor: str | Qwen3HybridConfig, kernels: str = "exact", **overrides) 
     cfg = resolve_config(flavor, FLAVORS, "qwen3_hybrid", Qwen3HybridConfig, **overrides)
     return Qwen3HybridForCausalLM(cfg, kernels)
 
-
-def check_tensor_parallel(tp: int) -> None:
-    """TorchTitan side: TP is not implemented for the GDN layers (FSDP is)."""
-    if tp > 1:
-        raise ValueError(
-            f"parallelism.tensor_parallel_degree = {tp} is not supported for architecture 'qwen3_hybrid' "
-            "(GDN layers have no tensor-parallel plan); use 1 (FSDP: parallelism.data_parallel_shard_degree)")

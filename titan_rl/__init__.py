@@ -1,6 +1,6 @@
 """titan_rl: the trainer and the rollout engine compute the same policy, to the bit."""
 
-__all__ = ["ArchitectureSpec", "get_architecture", "list_architectures", "register_architecture"]
+__all__ = ["ArchitectureSpec", "architecture_of", "get_architecture", "list_architectures", "register_architecture"]
 
 
 def __getattr__(name):

@@ -257,8 +257,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} needs model.tp_leaves a multiple of it "
                           f"(got {leaves}; 8 covers TP 1/2/4/8) for the trainer to stay bitwise equal to the engine")
     if cfg.rollout.router_replay == "replay" and not cfg.model.checkpoint:
-        flavor_cfg = spec.flavors.get(cfg.model.flavor)
-        if getattr(flavor_cfg, "num_experts", 0) < 1:
+        if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
     _check_ranges(cfg)

@@ -186,8 +186,7 @@ def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print, wit
                    enable_prefix_caching=r.enable_prefix_caching)
     progress(f"[{engine}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
-    is_moe = getattr(spec_config(cfg, folder), "num_experts", 0) > 0
-    samples = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=is_moe)
+    samples = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=get_architecture(cfg.model.name).moe)
     t_roll = time.perf_counter() - t0
     progress(f"[{engine}] sampled {sum(len(s['tokens']) for s in samples)} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]

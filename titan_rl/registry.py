@@ -9,10 +9,16 @@ process. The built-in Qwen3 is registered here the same way a user's model would
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+
+# The one TP plan TorchTitan's side knows (titan_rl.titan.parallelize): in each decoder
+# layer, every models.qwen3.Linear of kind "col" is sharded by output rows, every "row" one
+# by input columns, "plain" ones (a router gate) stay replicated.
+BY_LINEAR_KIND = "by_linear_kind"
 
 
 @dataclass
@@ -27,7 +33,24 @@ class ArchitectureSpec:
     # "module:Class" of the vLLM wrapper; the default serves any model built from qwen3's
     # pieces. A model with recurrent state (hybrid linear attention) names its own.
     vllm_class: str = "titan_rl.vllm.model:TitanForCausalLM"
-    extra: dict[str, Any] = field(default_factory=dict)
+    # BY_LINEAR_KIND, or None: no tensor parallelism, for the reason in `no_tp_reason`
+    # (TP > 1 is refused with it).
+    tp_plan: str | None = BY_LINEAR_KIND
+    no_tp_reason: str = ""
+    # Requests carry a running state besides the KV cache (linear attention): the engine
+    # needs vLLM's state cache, and prefix caching its "align" mode.
+    recurrent_state: bool = False
+    # A mixture of experts: a router picks experts per token (routes are recorded and can
+    # be replayed; the router's auxiliary loss is trained).
+    moe: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp_plan not in (BY_LINEAR_KIND, None):
+            raise ValueError(f"ArchitectureSpec {self.name!r}: tp_plan = {self.tp_plan!r}; "
+                             f"allowed: {BY_LINEAR_KIND!r} or None (with no_tp_reason)")
+        if self.tp_plan is None and not self.no_tp_reason:
+            raise ValueError(f"ArchitectureSpec {self.name!r}: tp_plan = None needs no_tp_reason "
+                             "(the error TP > 1 gets)")
 
 
 _REGISTRY: dict[str, ArchitectureSpec] = {}
@@ -60,6 +83,18 @@ def architecture_for_vllm(arch: str) -> ArchitectureSpec:
     raise ValueError(f"no titan_rl architecture registered for vLLM architecture {arch!r}")
 
 
+def architecture_of(model: torch.nn.Module) -> ArchitectureSpec:
+    """The registered architecture `model` is an instance of: the first class in its MRO
+    defined in the module of an architecture's `build` (re-classing wrappers, such as
+    TorchTitan's and FSDP's, come before it and define no architecture)."""
+    _register_builtins()
+    for cls in type(model).__mro__:
+        for spec in _REGISTRY.values():
+            if spec.build.__module__ == cls.__module__:
+                return spec
+    raise ValueError(f"{type(model).__name__} is not a registered titan_rl architecture")
+
+
 def _register_builtins() -> None:
     """The built-in architectures, registered exactly as a user's would be."""
     if "qwen3" in _REGISTRY:
@@ -83,15 +118,10 @@ def _register_builtins() -> None:
         config_to_hf=lambda cfg, arch: cfg.hf_config(arch),
         vllm_architecture="TitanQwen3MoeForCausalLM",
         hf_architecture="Qwen3MoeForCausalLM",
+        moe=True,
     ))
     # -- hybrid (GDN linear attention + full attention) --
     from titan_rl.models import qwen3_hybrid
-
-    def parallelize_hybrid(model, *, parallel_dims, **kwargs):  # TorchTitan's parallelize_fn: FSDP2, no TP
-        from titan_rl.titan.parallelize import parallelize_qwen3
-
-        qwen3_hybrid.check_tensor_parallel(parallel_dims.tp)
-        return parallelize_qwen3(model, parallel_dims=parallel_dims, **kwargs)
 
     register_architecture(ArchitectureSpec(
         name="qwen3_hybrid",
@@ -102,5 +132,7 @@ def _register_builtins() -> None:
         vllm_architecture="TitanQwen3HybridForCausalLM",
         hf_architecture="TitanQwen3HybridForCausalLM",  # no stock implementation with these weights
         vllm_class="titan_rl.vllm.hybrid:TitanHybridForCausalLM",
-        extra={"recurrent_state": True, "titan_parallelize_fn": parallelize_hybrid},
+        tp_plan=None,
+        no_tp_reason="GDN recurrent state is not sharded",
+        recurrent_state=True,
     ))

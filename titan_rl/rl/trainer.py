@@ -166,7 +166,7 @@ class RLTrainer(Trainer):
         self.corrections = rl.correction
         self._warned_exact = False
         self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
-        self.is_moe = hasattr(self.model, "set_route_override")
+        self.is_moe = get_architecture(rl.model.name).moe
         tok = self.task.tokenizer
         vocab = self.model_parts[0].cfg.vocab_size
         if tok.vocab_size > vocab:

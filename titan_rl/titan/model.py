@@ -20,58 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from titan_rl.titan import cpu_compat
+import torch
+from torch import nn
+from torchtitan.protocols.model import BaseModel
 
-cpu_compat.apply()
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torchtitan.protocols.model import BaseModel  # noqa: E402
-
-from titan_rl.registry import get_architecture  # noqa: E402
-
-# The TP plan per architecture: column-parallel linears (output columns split over TP
-# ranks) and row-parallel linears (reduction dim K split). With tp_leaves > 0 the model
-# file itself computes both kinds as fixed-shape pieces (its Linear kinds "col" / "row",
-# kernels.linear_n_blocks / linear_k_leaves) and the sharded layers compute the same
-# pieces (titan_rl.titan.tp_linear). Another architecture names its own plan in
-# ArchitectureSpec.extra["tp_plan"].
-TP_PLANS = {
-    "qwen3": {
-        "colwise": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-        "rowwise": ("self_attn.o_proj", "mlp.down_proj"),
-    },
-    # "*" matches every child (each expert is a qwen3 MLP, sharded like the dense one);
-    # the router gate stays replicated (every rank routes the same tokens identically).
-    "qwen3_moe": {
-        "colwise": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                    "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"),
-        "rowwise": ("self_attn.o_proj", "mlp.experts.*.down_proj"),
-    },
-}
-
-
-def tp_plan(arch_name: str) -> dict[str, tuple[str, ...]]:
-    arch = get_architecture(arch_name)
-    plan = arch.extra.get("tp_plan", TP_PLANS.get(arch_name))
-    if plan is None:
-        raise ValueError(f"architecture {arch_name!r} has no TP plan (ArchitectureSpec.extra['tp_plan'])")
-    return plan
-
-
-_MIXED: dict[tuple[type, type], type] = {}
-
-
-def reclass(mod: nn.Module, mixin: type) -> None:
-    """Give `mod` the forward of `mixin` (keeping its parameters and other methods);
-    a previous parallel mixin is replaced, not stacked."""
-    base = type(mod)
-    while base.__dict__.get("_titan_mixed", False):
-        base = base.__bases__[1]
-    key = (mixin, base)
-    if key not in _MIXED:
-        _MIXED[key] = type(f"{mixin.__name__}_{base.__name__}", (mixin, base), {"_titan_mixed": True})
-    mod.__class__ = _MIXED[key]
+from titan_rl.registry import get_architecture
+from titan_rl.titan.parallelize import check_tp_degree
 
 
 _TITAN_CLASSES: dict[type, type] = {}
@@ -259,15 +213,3 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
     set_model_state_dict(
         model, full, options=StateDictOptions(full_state_dict=True, strict=True)
     )
-
-
-def check_tp_degree(cfg, tp: int, tp_leaves: int) -> None:
-    h = getattr(cfg, "num_attention_heads", None)
-    hkv = getattr(cfg, "num_key_value_heads", None)
-    if h is not None and (h % tp or hkv % tp):
-        raise ValueError(
-            f"tensor_parallel_degree = {tp} must divide num_attention_heads ({h}) and "
-            f"num_key_value_heads ({hkv})"
-        )
-    if tp_leaves and tp_leaves % tp:
-        raise ValueError(f"tensor_parallel_degree = {tp} must divide tp_leaves = {tp_leaves}")

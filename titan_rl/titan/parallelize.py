@@ -4,6 +4,10 @@ TorchTitan calls `parallelize_qwen3(model, parallel_dims=..., training=..., para
 compile_config=..., ac_config=..., dump_folder=...)` (its parallelize_fn signature);
 `apply_tp` / `apply_fsdp` can also be used directly (tests, the RL trainer).
 
+The TP plan is read from the model: each decoder layer's Linears carry their kind
+(`layer_tp_plan`). An architecture whose ArchitectureSpec.tp_plan is None refuses
+TP > 1 with the spec's `no_tp_reason`; FSDP works for every architecture.
+
 Exactness, layout by layout (torch.equal of the forward logits vs one process):
   * FSDP (any degree): weights are all-gathered before use, so every GEMM sees the same
     values and shapes as the unsharded model: exact by construction.
@@ -29,51 +33,74 @@ from __future__ import annotations
 
 import logging
 
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from titan_rl.kernels import linear as exact_linear
+from titan_rl.models.qwen3 import Linear
+from titan_rl.registry import ArchitectureSpec, architecture_of, get_architecture
 from titan_rl.titan import cpu_compat
-
-cpu_compat.apply()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
-
-from titan_rl.kernels import linear as exact_linear  # noqa: E402
-from titan_rl.titan.model import check_tp_degree, reclass, tp_plan  # noqa: E402
-from titan_rl.titan.tp_linear import (  # noqa: E402
-    _AllReduceSum,
-    column_parallel_linear,
-    copy_to_tp,
-    row_parallel_linear,
-)
+from titan_rl.titan.tp_linear import _AllReduceSum, column_parallel_linear, copy_to_tp, row_parallel_linear
 
 logger = logging.getLogger(__name__)
 
 
-
-def _expand(layer: nn.Module, path: str) -> list[str]:
-    """A TP-plan path with "*" components -> the concrete submodule paths in `layer`."""
-    paths = [""]
-    for part in path.split("."):
-        if part == "*":
-            paths = [f"{p}.{n}" if p else n for p in paths for n, _ in layer.get_submodule(p).named_children()]
-        else:
-            paths = [f"{p}.{part}" if p else part for p in paths]
-    return paths
+def _architecture(model: nn.Module) -> ArchitectureSpec:
+    """The spec TorchTitan built the model from, else the one its class belongs to."""
+    titan_config = getattr(model, "titan_config", None)
+    return get_architecture(titan_config.arch) if titan_config is not None else architecture_of(model)
 
 
-def _model_plan(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """The model's TP plan (titan.model.TP_PLANS / ArchitectureSpec.extra["tp_plan"])."""
-    arch = getattr(getattr(model, "titan_config", None), "arch", None)
-    if arch is None:  # a model built outside TorchTitan: the architecture whose module defines its class
-        from titan_rl.registry import _REGISTRY, _register_builtins
+def layer_tp_plan(layer: nn.Module) -> dict[str, list[str]]:
+    """The TP plan of one decoder layer, read from its Linears' kinds: "colwise" paths
+    (kind "col": output columns split over TP ranks) and "rowwise" paths (kind "row":
+    reduction dim K split). With tp_leaves > 0 the model file itself computes both kinds
+    as fixed-shape pieces (kernels.linear_n_blocks / linear_k_leaves) and the sharded
+    layers compute the same pieces (titan_rl.titan.tp_linear). "plain" Linears (an MoE
+    router gate: every rank routes the same tokens identically) stay replicated."""
+    plan: dict[str, list[str]] = {"colwise": [], "rowwise": []}
+    for path, mod in layer.named_modules():
+        if isinstance(mod, Linear) and mod.kind != "plain":
+            plan["colwise" if mod.kind == "col" else "rowwise"].append(path)
+    return plan
 
-        _register_builtins()
-        arch = next((n for n, spec in _REGISTRY.items() if spec.build.__module__ == type(model).__module__), None)
-        if arch is None:
-            raise ValueError(f"{type(model).__name__} is not a registered titan_rl architecture: no TP plan")
-    return tp_plan(arch)
+
+def check_tp_degree(cfg, tp: int, tp_leaves: int) -> None:
+    h = getattr(cfg, "num_attention_heads", None)
+    hkv = getattr(cfg, "num_key_value_heads", None)
+    if h is not None and (h % tp or hkv % tp):
+        raise ValueError(
+            f"tensor_parallel_degree = {tp} must divide num_attention_heads ({h}) and "
+            f"num_key_value_heads ({hkv})"
+        )
+    if tp_leaves and tp_leaves % tp:
+        raise ValueError(f"tensor_parallel_degree = {tp} must divide tp_leaves = {tp_leaves}")
+
+
+def check_tp_supported(spec: ArchitectureSpec, tp: int) -> None:
+    """TP > 1 needs a TP plan; an architecture without one says why (FSDP still works)."""
+    if tp > 1 and spec.tp_plan is None:
+        raise ValueError(
+            f"parallelism.tensor_parallel_degree = {tp} is not supported for architecture {spec.name!r} "
+            f"({spec.no_tp_reason}); use 1 (FSDP: parallelism.data_parallel_shard_degree)")
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def reclass(mod: nn.Module, mixin: type) -> None:
+    """Give `mod` the forward of `mixin` (keeping its parameters and other methods);
+    a previous parallel mixin is replaced, not stacked."""
+    base = type(mod)
+    while base.__dict__.get("_titan_mixed", False):
+        base = base.__bases__[1]
+    key = (mixin, base)
+    if key not in _MIXED:
+        _MIXED[key] = type(f"{mixin.__name__}_{base.__name__}", (mixin, base), {"_titan_mixed": True})
+    mod.__class__ = _MIXED[key]
 
 
 # -- tensor parallel ---------------------------------------------------------------------
@@ -146,11 +173,15 @@ def model_tp_leaves(model: nn.Module) -> int:
 
 
 def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
-    """Shard q/k/v/gate/up by output rows (Shard(0)) and o/down by input columns
-    (Shard(1)) on `tp_mesh`; every rank must hold the same full weights (or meta).
+    """Shard each decoder layer's "col" Linears (q/k/v/gate/up) by output rows (Shard(0))
+    and its "row" Linears (o/down) by input columns (Shard(1)) on `tp_mesh` (the plan:
+    `layer_tp_plan`); every rank must hold the same full weights (or meta).
     The sharded layers use the model's own leaf count (`model_tp_leaves`); `tp_leaves`,
     if given, must equal it (anything else would compute other bits than the model file
     and the rollout engine)."""
+    spec = _architecture(model)
+    if spec.tp_plan is None:
+        raise ValueError(f"architecture {spec.name!r} has no TP plan ({spec.no_tp_reason})")
     tp = tp_mesh.size()
     group = tp_mesh.get_group()
     own = model_tp_leaves(model)
@@ -163,15 +194,9 @@ def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
         check_tp_degree(cfg, tp, tp_leaves)
     if not tp_leaves:
         logger.warning("TP=%d with tp_leaves=0: logits are close to, not bitwise equal to, TP=1", tp)
-    plan = _model_plan(model)
     for layer in _decoder_layers(model):
-        colwise = [p for path in plan["colwise"] for p in _expand(layer, path)]
-        rowwise = [p for path in plan["rowwise"] for p in _expand(layer, path)]
-        for kind, paths in (("col", colwise), ("row", rowwise)):
-            for path in paths:
-                got = getattr(layer.get_submodule(path), "kind", kind)
-                if got != kind:
-                    raise ValueError(f"TP plan: {path} is {kind!r}-parallel but the model's Linear kind is {got!r}")
+        plan = layer_tp_plan(layer)
+        colwise, rowwise = plan["colwise"], plan["rowwise"]
         for path in colwise:
             lin = layer.get_submodule(path)
             _shard_param(lin, "weight", tp_mesh, 0)
@@ -246,9 +271,11 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None = N
 def parallelize_qwen3(model: nn.Module, *, parallel_dims, training=None, parallelism=None,
                       compile_config=None, ac_config=None, dump_folder: str = "",
                       skip_dp: bool = False, **unused):
-    """TorchTitan's parallelize_fn for titan_rl's Qwen3: TP (tp mesh), activation
+    """TorchTitan's parallelize_fn for every architecture built from qwen3's pieces: TP
+    (tp mesh; refused with the spec's reason when it has no TP plan), activation
     checkpointing, FSDP2 / HSDP (fsdp mesh, always applied like torchtitan does, for the
     mixed-precision policy). CP, PP, EP and torch.compile are refused."""
+    check_tp_supported(_architecture(model), parallel_dims.tp)
     if compile_config is not None and getattr(compile_config, "enable", False):
         raise ValueError("torch.compile breaks batch invariance: set compile.enable = False")
     for what, on in (("context parallel", parallel_dims.cp_enabled),

@@ -7,26 +7,20 @@ The spec bundles (torchtitan.protocols.ModelSpec, 0.3.0 shape):
   * model: TitanModel.Config(arch, flavor, kernels, tp_leaves, ...); `.build()` returns the
     architecture's own model class (re-classed with TorchTitan's BaseModel hooks), so
     the trainer runs the same definition, names and forward as the rollout engine;
-  * parallelize_fn: titan_rl.titan.parallelize.parallelize_qwen3 (TP, FSDP2/HSDP,
-    full activation checkpointing), or `ArchitectureSpec.extra["titan_parallelize_fn"]`;
+  * parallelize_fn: titan_rl.titan.parallelize.parallelize_qwen3 (TP as the
+    architecture's spec allows, FSDP2/HSDP, full activation checkpointing);
   * state_dict_adapter: TitanStateDictAdapter (identity names + tied embeddings);
   * no pipelining_fn (PP is not supported), no post-optimizer hook.
 """
 
 from __future__ import annotations
 
-from titan_rl.titan import cpu_compat
+from torchtitan.protocols.model_spec import ModelSpec
 
-cpu_compat.apply()
-
-from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
-
-from titan_rl.registry import get_architecture  # noqa: E402
-from titan_rl.titan.model import TitanModel  # noqa: E402
-from titan_rl.titan.parallelize import parallelize_qwen3  # noqa: E402
-from titan_rl.titan.state_dict import TitanStateDictAdapter  # noqa: E402
-
-PARALLELIZE_FNS = {"qwen3": parallelize_qwen3, "qwen3_moe": parallelize_qwen3}
+from titan_rl.registry import get_architecture
+from titan_rl.titan.model import TitanModel
+from titan_rl.titan.parallelize import parallelize_qwen3
+from titan_rl.titan.state_dict import TitanStateDictAdapter
 
 
 def model_config(arch_name: str = "qwen3", flavor: str = "debug", kernels: str = "exact",
@@ -43,18 +37,11 @@ def model_spec(arch_name: str = "qwen3", flavor: str = "debug", kernels: str = "
                **fields) -> ModelSpec:
     """ModelSpec for a registered architecture. `fields` go to TitanModel.Config
     (model_config=<arch config object>, tp_leaves=8, init_seed=..., init_std=...)."""
-    arch = get_architecture(arch_name)
-    parallelize_fn = arch.extra.get("titan_parallelize_fn", PARALLELIZE_FNS.get(arch_name))
-    if parallelize_fn is None:
-        raise ValueError(
-            f"architecture {arch_name!r} has no TorchTitan parallelize function: set "
-            "ArchitectureSpec.extra['titan_parallelize_fn']"
-        )
     return ModelSpec(
         name=arch_name,
         flavor=flavor,
         model=model_config(arch_name, flavor, kernels, **fields),
-        parallelize_fn=parallelize_fn,
+        parallelize_fn=parallelize_qwen3,
         pipelining_fn=None,
         post_optimizer_build_fn=None,
         state_dict_adapter=TitanStateDictAdapter,

@@ -50,7 +50,7 @@ def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: 
     )
     if max_num_batched_tokens is not None:
         kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
-    if spec.extra.get("recurrent_state") and enable_prefix_caching:
+    if spec.recurrent_state and enable_prefix_caching:
         # Recurrent (linear-attention) states are prefix-cached only in mamba cache mode
         # "align" (states checkpointed at block boundaries), which needs chunked prefill.
         kwargs.update(mamba_cache_mode="align", enable_chunked_prefill=True)

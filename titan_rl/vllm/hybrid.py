@@ -17,7 +17,7 @@ takes as arguments:
   same pages.
 
 Prefix caching: vLLM's mamba cache mode "align" (set by `make_llm` for architectures with
-`extra["recurrent_state"]`; vLLM also defaults to it) keeps a request's running state in
+`ArchitectureSpec.recurrent_state`; vLLM also defaults to it) keeps a request's running state in
 the page of its last block, checkpoints it at block boundaries (prefill chunks are cut
 there) and on a prefix hit copies the boundary state into the new request's page before
 the step (copy funcs: whole pages). vLLM unifies the page sizes itself (attention block

@@ -4,9 +4,8 @@
 def register() -> None:
     from vllm import ModelRegistry
 
-    from titan_rl.registry import _REGISTRY, _register_builtins
+    from titan_rl.registry import get_architecture, list_architectures
 
-    _register_builtins()
-    for spec in _REGISTRY.values():
+    for spec in map(get_architecture, list_architectures()):
         if spec.vllm_architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(spec.vllm_architecture, spec.vllm_class)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from titan_rl.vllm.model import TitanForCausalLM
 from titan_rl.vllm.sampling import external_request_id, model_runner
 
 
@@ -124,7 +125,7 @@ def capture_routes(llm):
     runner = model_runner(llm)
     model = runner.model
     cap = _Capture(runner)
-    if hasattr(model, "route_sink"):
+    if isinstance(model, TitanForCausalLM):
         if model.route_sink is not None:
             raise RuntimeError("capture_routes is already active")
         model.route_sink = cap
