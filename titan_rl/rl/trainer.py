@@ -21,24 +21,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_rl.titan import cpu_compat  # noqa: F401  (CPU shims before torchtitan imports)
+# Before torchtitan: importing titan_rl.titan installs the CPU shims its import needs.
+from titan_rl.titan import cpu_compat
 
-from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
-from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
-from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.trainer import Trainer
 
-from titan_rl.algorithms import (  # noqa: E402
+from titan_rl.algorithms import (
     PGLossConfig, apply_corrections, enabled, group_advantages, policy_gradient_loss,
     warning_if_exact,
 )
-from titan_rl.checkpoint import checkpoint_fingerprint  # noqa: E402
-from titan_rl.config import Config  # noqa: E402
-from titan_rl.kernels import log_softmax_fp32  # noqa: E402
-from titan_rl.registry import get_architecture  # noqa: E402
-from titan_rl.rl.seeds import step_seed  # noqa: E402
-from titan_rl.tasks import load_task  # noqa: E402
-from titan_rl.validation import RunStopped, UserError, check_reward, latest_checkpoint_step  # noqa: E402
+from titan_rl.checkpoint import checkpoint_fingerprint
+from titan_rl.config import Config
+from titan_rl.kernels import log_softmax_fp32
+from titan_rl.registry import get_architecture
+from titan_rl.rl.seeds import step_seed
+from titan_rl.tasks import load_task
+from titan_rl.validation import RunStopped, UserError, check_reward, latest_checkpoint_step
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

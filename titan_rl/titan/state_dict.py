@@ -15,11 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from titan_rl.titan import cpu_compat
-
-cpu_compat.apply()
-
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter  # noqa: E402
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
