@@ -24,14 +24,12 @@ import tempfile
 import time
 from dataclasses import asdict
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+import torch
 
-import torch  # noqa: E402
-
-from titan_rl import config as config_mod  # noqa: E402
-from titan_rl.jsonout import write_json  # noqa: E402
-from titan_rl.kernels import log_softmax_fp32  # noqa: E402
-from titan_rl.registry import get_architecture  # noqa: E402
+from titan_rl import config as config_mod
+from titan_rl.jsonout import write_json
+from titan_rl.kernels import log_softmax_fp32
+from titan_rl.registry import get_architecture
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

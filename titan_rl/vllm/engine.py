@@ -1,23 +1,15 @@
 """Build an in-process vLLM engine over a local HF-style folder, and sync weights into it.
 
-Environment facts (shared/PLATFORM.md): VLLM_ENABLE_V1_MULTIPROCESSING=0 must be set
-before vllm is imported to keep the engine in this process (start in seconds, and the
-model object is reachable for weight updates); on CPU the KV cache size must be given
+Environment facts (shared/PLATFORM.md): vLLM's environment variables are set by this
+package (titan_rl.vllm) before vllm is imported; on CPU the KV cache size must be given
 explicitly; torch's thread count must be set before the engine is built.
 """
 
 from __future__ import annotations
 
-import os
+import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM logs a tokenizer traceback per engine when skip_tokenizer_init=True (harmless);
-# keep our progress output readable unless the user asks for vLLM's logs.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-
-import torch  # noqa: E402
-
-from titan_rl.registry import get_architecture  # noqa: E402
+from titan_rl.registry import get_architecture
 
 
 def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: str = "bfloat16", seed: int = 0,
