@@ -84,9 +84,10 @@ def architecture_for_vllm(arch: str) -> ArchitectureSpec:
 
 
 def architecture_of(model: torch.nn.Module) -> ArchitectureSpec:
-    """The registered architecture `model` is an instance of: the first class in its MRO
-    defined in the module of an architecture's `build` (re-classing wrappers, such as
-    TorchTitan's and FSDP's, come before it and define no architecture)."""
+    """The registered architecture of a model (a whole model, as `build` returns it): the
+    first class in its MRO defined in the module of an architecture's `build`. The
+    re-classing wrappers (TorchTitan's, FSDP's) come before that class in the MRO and
+    are defined in no architecture's module."""
     _register_builtins()
     for cls in type(model).__mro__:
         for spec in _REGISTRY.values():

@@ -1,0 +1,55 @@
+"""The ArchitectureSpec says what each engine must know, as typed fields; the TP plan
+comes from the model's Linear kinds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from titan_rl.models import qwen3, qwen3_hybrid, qwen3_moe
+from titan_rl.registry import ArchitectureSpec, architecture_of, get_architecture
+from titan_rl.titan.parallelize import layer_tp_plan
+from titan_rl.titan.spec import model_config
+
+
+def test_the_builtins_say_what_they_are():
+    dense, moe, hybrid = (get_architecture(n) for n in ("qwen3", "qwen3_moe", "qwen3_hybrid"))
+    assert (dense.moe, dense.recurrent_state, dense.tp_plan is not None) == (False, False, True)
+    assert (moe.moe, moe.recurrent_state, moe.tp_plan is not None) == (True, False, True)
+    assert (hybrid.moe, hybrid.recurrent_state, hybrid.tp_plan) == (False, True, None)
+    assert "GDN recurrent state" in hybrid.no_tp_reason
+
+
+def test_architecture_of_plain_and_titan_built_models():
+    assert architecture_of(qwen3.build("debug")).name == "qwen3"
+    assert architecture_of(qwen3_moe.build("debug_moe")).name == "qwen3_moe"
+    assert architecture_of(qwen3_hybrid.build("debug_hybrid")).name == "qwen3_hybrid"
+    assert architecture_of(model_config("qwen3_moe", "debug_moe").build()).name == "qwen3_moe"
+    with pytest.raises(ValueError, match="not a registered titan_rl architecture"):
+        architecture_of(torch.nn.Linear(2, 2))
+
+
+def test_tp_plan_from_linear_kinds():
+    dense = layer_tp_plan(qwen3.build("debug").model.layers[0])
+    assert sorted(dense["colwise"]) == sorted(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                               "mlp.gate_proj", "mlp.up_proj"])
+    assert sorted(dense["rowwise"]) == ["mlp.down_proj", "self_attn.o_proj"]
+    model = qwen3_moe.build("debug_moe")
+    moe = layer_tp_plan(model.model.layers[0])
+    n = model.cfg.num_experts
+    assert sorted(moe["colwise"]) == sorted(
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        + [f"mlp.experts.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj")])
+    assert sorted(moe["rowwise"]) == sorted(["self_attn.o_proj"] + [f"mlp.experts.{e}.down_proj" for e in range(n)])
+    assert "mlp.gate" not in moe["colwise"] + moe["rowwise"]  # the router stays replicated
+
+
+def test_a_spec_without_tp_must_say_why():
+    base = get_architecture("qwen3")
+    with pytest.raises(ValueError, match="tp_plan = None needs no_tp_reason"):
+        replace(base, name="x", tp_plan=None)
+    with pytest.raises(ValueError, match="tp_plan = 'rows'"):
+        replace(base, name="x", tp_plan="rows")
+    assert isinstance(replace(base, name="x", tp_plan=None, no_tp_reason="why"), ArchitectureSpec)
