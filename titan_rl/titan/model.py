@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torchtitan.protocols.model import BaseModel  # noqa: E402
 
+from titan_rl.kernels.mode import KernelMode  # noqa: E402
 from titan_rl.registry import get_architecture  # noqa: E402
 
 # The TP plan per architecture: column-parallel linears (output columns split over TP
@@ -96,7 +97,7 @@ class TitanModel(BaseModel):
         """Flavor of the architecture (ignored when `model_config` is given)."""
         model_config: Any = None
         """The architecture's own config object (e.g. Qwen3Config); None: flavors[flavor]."""
-        kernels: str = "exact"
+        kernels: KernelMode = "exact"
         """'exact' (batch-invariant kernels) or 'stock' (plain torch)."""
         tp_leaves: int = 0
         """Written into the architecture's config (its `tp_leaves` field; the model file
