@@ -17,7 +17,7 @@ test: setup
 	$(PY) -m pytest -q
 
 parity: setup
-	$(PY) -m titan_rl.parity --config train_configs/debug.toml --engine both --json outputs/parity_debug.json
+	$(PY) -m titan_rl.parity --config train_configs/debug.toml --kernels both --json outputs/parity_debug.json
 
 bench: setup
 	$(PY) scripts/bench_parity_overhead.py --json outputs/bench_parity_overhead.json

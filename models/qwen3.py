@@ -7,11 +7,12 @@ vLLM's built-in Qwen3 and transformers' Qwen3ForCausalLM.
 The model runs on ONE flat stream of tokens ([T, hidden]): the trainer flattens its
 [B, L] batch, vLLM hands its scheduled tokens as they are. Every row-mixing op
 (attention) is a callable passed in by the engine adapter; everything else is
-row-wise and goes through titan_rl.kernels, so both engines compute each token with
-the same arithmetic.
+row-wise and goes through `Ops` (models/ops.py), so both engines compute each token
+with the same arithmetic.
 
-`kernels = "exact"` uses the batch-invariant kernels; `"stock"` plain torch
-(F.linear, SDPA) for measuring what exactness costs and what it removes.
+`kernels = "exact"` makes Ops the batch-invariant kernels; `"stock"` plain torch
+(F.linear, SDPA) for measuring what exactness costs and what it removes. This file
+never looks at the mode: every function that depends on it is an Ops attribute.
 
 `tp_leaves = L > 0` (exact mode only) computes the column-parallel linears (q/k/v/gate/up)
 as L fixed column blocks and the row-parallel ones (o/down) as L K-leaves summed by a
@@ -25,18 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm
-from titan_rl.kernels.elementwise import rope as rope_exact
-from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
-from titan_rl.kernels.elementwise import silu_mul
+from titan_rl.kernels.mode import KernelMode, check_kernels
+from titan_rl.models.ops import Ops
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -164,57 +160,6 @@ FLAVORS: dict[str, Qwen3Config] = {
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class Ops:
-    """The row-wise ops for one kernel mode. Exact = titan_rl.kernels; stock = plain torch.
-
-    `linear_for(kind)`: the linear of a layer of that kind. "col" (column-parallel under
-    TP) and "row" (row-parallel) use the fixed pieces when tp_leaves > 0 (exact mode;
-    stock ignores tp_leaves); "plain" (LM head) always uses `linear`."""
-
-    def __init__(self, mode: str, tp_leaves: int = 0):
-        if mode not in ("exact", "stock"):
-            raise ValueError(f"kernels = {mode!r} is not allowed; use 'exact' or 'stock'")
-        self.mode = mode
-        exact = mode == "exact"
-        self.linear = linear if exact else F.linear
-        self.rms_norm = rms_norm if exact else rms_norm_eager
-        self.silu_mul = silu_mul if exact else (lambda g, u: F.silu(g) * u)
-        self.rope = rope_exact if exact else rope
-        self.tp_leaves = tp_leaves if exact else 0
-
-    def linear_for(self, kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        L = self.tp_leaves
-        if kind == "col" and L:
-            return partial(linear_n_blocks, n_blocks=L)
-        if kind == "row" and L:
-            return partial(linear_k_leaves, k_leaves=L)
-        return self.linear
-
-    def same_input(self, x: torch.Tensor, mods: list, packed=None) -> list[torch.Tensor]:
-        """mods' outputs on x (q/k/v, gate/up). Exact mode without TP pieces runs them as
-        ONE GEMM over the concatenated weights (fewer, larger calls; the trainer
-        concatenates per call, the engine passes `packed`, the same weights prepared
-        once); both sides take this path, so both get its bits."""
-        ws = [m.weight for m in mods]
-        if self.mode != "exact" or self.tp_leaves or any(isinstance(w, DTensor) for w in ws):
-            return [m(x) for m in mods]
-        y = self.linear(x, torch.cat(ws) if packed is None else packed)
-        return list(y.split([w.shape[0] for w in ws], -1))
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (HF semantics: cos/sin in fp32, cast to x's dtype), plain torch:
-    the stock mode's. Exact mode uses kernels.elementwise.rope (same formula, cos/sin
-    from a table whose bits do not depend on the call's size)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], -1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
@@ -316,10 +261,10 @@ class Qwen3ForCausalLM(nn.Module):
     # (cfg, layer_idx, ops) -> decoder layer; the MoE and hybrid models name their own.
     make_layer = DecoderLayer
 
-    def __init__(self, cfg: Qwen3Config, kernels: str = "exact"):
+    def __init__(self, cfg: Qwen3Config, kernels: KernelMode = "exact"):
         super().__init__()
         self.cfg = cfg.validate()
-        self.ops = Ops(kernels, cfg.tp_leaves)
+        self.ops = Ops(check_kernels(kernels), cfg.tp_leaves)
         self.model = Backbone(cfg, self.ops, type(self).make_layer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
         if cfg.tie_word_embeddings:
@@ -345,10 +290,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits. The engine passes a cached fp32 weight through `lm_head_fp32`."""
-        w = self.lm_head.weight.float()
-        if self.ops.mode == "exact":
-            return lm_head_logits(hidden, w)
-        return F.linear(hidden.float(), w)
+        return self.ops.lm_head(hidden, self.lm_head.weight.float())
 
     # -- the trainer's batched forward -----------------------------------------------------
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -359,14 +301,7 @@ class Qwen3ForCausalLM(nn.Module):
 
         def attn(_layer, q, k, v):
             shape = lambda t: t.view(B, L, *t.shape[1:])  # noqa: E731
-            if self.ops.mode == "exact":
-                o = attention_dense(shape(q), shape(k), shape(v), scale)
-            else:
-                g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-                o = F.scaled_dot_product_attention(
-                    shape(q).transpose(1, 2), shape(k).transpose(1, 2), shape(v).transpose(1, 2),
-                    is_causal=True, scale=scale, enable_gqa=g > 1,
-                ).transpose(1, 2)
+            o = self.ops.causal_attention(shape(q), shape(k), shape(v), scale)
             return o.reshape(B * L, *o.shape[2:])
 
         h = self.hidden_states(tokens.reshape(-1), positions, attn)
@@ -384,5 +319,5 @@ def resolve_config(flavor, flavors: dict, arch: str, config_type: type = Qwen3Co
     return replace(flavor, **overrides) if overrides else flavor
 
 
-def build(flavor: str | Qwen3Config, kernels: str = "exact", **overrides) -> Qwen3ForCausalLM:
+def build(flavor: str | Qwen3Config, kernels: KernelMode = "exact", **overrides) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(resolve_config(flavor, FLAVORS, "qwen3", **overrides), kernels)

@@ -3,8 +3,9 @@
 Layer i is a full-attention layer when (i + 1) % full_attention_interval == 0 (3 GDN : 1
 attention for the default interval 4, as in Qwen3-Next / Qwen3.5), a GDN layer otherwise.
 Every layer keeps qwen3's residual structure, RMSNorms and MLP; the full-attention layers
-ARE qwen3's Attention (imported from models/qwen3.py, like RMSNorm, Linear, Ops, rope, the
-LM head path, init_weights and the trainer's forward).
+ARE qwen3's Attention (imported from models/qwen3.py, like RMSNorm, Linear, the LM head
+path, init_weights and the trainer's forward); every op that depends on the kernel mode
+is an `Ops` attribute (models/ops.py), GDN's included.
 
 GDN layer (names as in Qwen3-Next, `model.layers.N.linear_attn.*`):
   in_proj_qkvz [T, E] -> per key head h (Qwen3-Next's grouped layout):
@@ -16,9 +17,9 @@ GDN layer (names as in Qwen3-Next, `model.layers.N.linear_attn.*`):
   beta = sigmoid(b)                                  (fp32)
   S_t  = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S'_{t-1}^T k_t))^T,  o_t = S_t^T q_t  (delta rule)
   norm (gated RMSNorm): rmsnorm(o) * silu(z);  out_proj
-Every transcendental runs through kernels.gdn.lane_stable (exact mode): those tensors'
-sizes depend on the batch, and ATen computes a buffer's tail with the scalar function
-and its body with SIMD, which can differ by an ulp.
+Every transcendental runs through ops.gdn_elementwise (kernels.gdn.lane_stable in exact
+mode): those tensors' sizes depend on the batch, and ATen computes a buffer's tail with
+the scalar function and its body with SIMD, which can differ by an ulp.
 Differences from Qwen3-Next checkpoints: the full-attention layers are plain qwen3
 attention (no output gate, full rotary), RMSNorm weights are w (not 1 + w), dense MLP.
 
@@ -57,13 +58,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_rl.kernels.gdn import causal_conv1d, gdn_chunked, gdn_recurrent, l2norm, lane_stable
+from titan_rl.kernels.gdn import causal_conv1d
+from titan_rl.kernels.mode import KernelMode
+from titan_rl.models.ops import Ops
 from titan_rl.models.qwen3 import (
     MLP,
     Attention,
     AttentionFn,
     Linear,
-    Ops,
     Qwen3Config,
     Qwen3ForCausalLM,
     RMSNorm,
@@ -210,15 +212,6 @@ class FreshState:
         pass
 
 
-def _plain(fn, x):
-    return fn(x)
-
-
-def _plain_l2norm(x, eps: float = 1e-6):
-    xf = x.float()
-    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
-
-
 # -- the GDN layer -----------------------------------------------------------------------------
 
 class CausalConv1d(nn.Module):
@@ -240,17 +233,16 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.ops = eps, ops
-        self.ew = lane_stable if ops.mode == "exact" else _plain
 
     def forward(self, x, z):
         y = self.ops.rms_norm(x, self.weight, self.eps)
-        return (y.float() * self.ew(F.silu, z.float())).to(x.dtype)
+        return (y.float() * self.ops.gdn_elementwise(F.silu, z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen3HybridConfig, layer_idx: int, ops: Ops):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.ops = layer_idx, ops
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.r = self.hv // self.hk
@@ -262,10 +254,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, ops)
         self.out_proj = Linear(self.hv * self.dv, e, ops, "row")
-        exact = ops.mode == "exact"
-        self.ew = lane_stable if exact else _plain
-        self.l2norm = l2norm if exact else _plain_l2norm
-        self.gdn = gdn_recurrent if exact else gdn_chunked
 
     def forward(self, x, state: LinearState):
         T = x.shape[0]
@@ -279,15 +267,16 @@ class GatedDeltaNet(nn.Module):
 
         conv0, rec0 = state.initial(self.layer_idx)
         y, conv1 = self.conv1d(mixed, cu, conv0)
-        y = self.ew(F.silu, y).to(mixed.dtype)  # lane_stable computes in fp32
+        ops = self.ops
+        y = ops.gdn_elementwise(F.silu, y).to(mixed.dtype)  # lane_stable computes in fp32
         q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q = self.l2norm(q.reshape(n, hk, dk))
-        k = self.l2norm(k.reshape(n, hk, dk))
+        q = ops.gdn_l2norm(q.reshape(n, hk, dk))
+        k = ops.gdn_l2norm(k.reshape(n, hk, dk))
         v = v.reshape(n, hv, dv)
-        beta = self.ew(torch.sigmoid, b.reshape(n, hv).float())
-        decay = self.ew(torch.exp, self.A_log.float())
-        g = -decay * self.ew(F.softplus, a.reshape(n, hv).float() + self.dt_bias.float())
-        o, rec1 = self.gdn(q, k, v, g, beta, cu, rec0, scale=1.0 / math.sqrt(dk))
+        beta = ops.gdn_elementwise(torch.sigmoid, b.reshape(n, hv).float())
+        decay = ops.gdn_elementwise(torch.exp, self.A_log.float())
+        g = -decay * ops.gdn_elementwise(F.softplus, a.reshape(n, hv).float() + self.dt_bias.float())
+        o, rec1 = ops.gdn_recurrence(q, k, v, g, beta, cu, rec0, scale=1.0 / math.sqrt(dk))
         state.store(self.layer_idx, conv1, rec1)
 
         o = self.norm(o, z.reshape(n, hv, dv))
@@ -353,7 +342,7 @@ class Qwen3HybridForCausalLM(Qwen3ForCausalLM):
         return self.model.norm(x)
 
 
-def build(flavor: str | Qwen3HybridConfig, kernels: str = "exact", **overrides) -> Qwen3HybridForCausalLM:
+def build(flavor: str | Qwen3HybridConfig, kernels: KernelMode = "exact", **overrides) -> Qwen3HybridForCausalLM:
     cfg = resolve_config(flavor, FLAVORS, "qwen3_hybrid", Qwen3HybridConfig, **overrides)
     return Qwen3HybridForCausalLM(cfg, kernels)
 

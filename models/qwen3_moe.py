@@ -1,8 +1,9 @@
 """Qwen3-MoE decoder: models/qwen3.py with the dense MLP replaced by a routed one.
 
 Everything but the MLP (attention, RoPE, q/k norms, RMSNorm, Linear and its kinds, the
-kernel modes in `Ops`, the LM head, `hidden_states`/`logits`/`forward`) is qwen3.py's,
-imported, not copied, so both engines drive this model exactly like the dense one.
+LM head, `hidden_states`/`logits`/`forward`) is qwen3.py's, and the kernel modes are
+models/ops.py's `Ops`: imported, not copied, so both engines drive this model exactly
+like the dense one.
 
 Parameter names equal Hugging Face Qwen3-MoE checkpoints':
   model.layers.N.mlp.gate.weight                        [num_experts, hidden]
@@ -31,9 +32,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from titan_rl.kernels.mode import KernelMode
 from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk
+from titan_rl.models.ops import Ops
 from titan_rl.models.qwen3 import (
-    MLP, AttentionFn, DecoderLayer, Linear, Ops, Qwen3Config, Qwen3ForCausalLM, resolve_config,
+    MLP, AttentionFn, DecoderLayer, Linear, Qwen3Config, Qwen3ForCausalLM, resolve_config,
 )
 
 
@@ -168,5 +171,5 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return h
 
 
-def build(flavor: str | Qwen3MoeConfig, kernels: str = "exact", **overrides) -> Qwen3MoeForCausalLM:
+def build(flavor: str | Qwen3MoeConfig, kernels: KernelMode = "exact", **overrides) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(resolve_config(flavor, FLAVORS, "qwen3_moe", Qwen3MoeConfig, **overrides), kernels)

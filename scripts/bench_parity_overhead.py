@@ -62,7 +62,7 @@ def bench_rollout(folder, args):
                for n in torch.randint(8, 200, (args.prompts,), generator=g)]
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
     out = {}
-    engines = {e: make_llm(folder, engine=e, dtype=args.dtype, kv_cache_mib=512, max_num_seqs=args.prompts)
+    engines = {e: make_llm(folder, kernels=e, dtype=args.dtype, kv_cache_mib=512, max_num_seqs=args.prompts)
                for e in ("exact", "stock")}
     for e, llm in engines.items():  # warm-up
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

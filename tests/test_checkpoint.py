@@ -93,7 +93,7 @@ def test_round_trip_bf16_default_dtype_keeps_stored_dtype(cfg, tmp_path, rng):
     save_hf_folder(m, tmp_path)  # default: bf16 on disk
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     loaded = load_hf_folder(tmp_path, kernels="stock")  # dtype=None -> what the folder stores
-    assert loaded.ops.mode == "stock"
+    assert loaded.ops.kernels == "stock"
     _assert_same_params(m, loaded, dtype=torch.bfloat16)
     # bf16 -> fp32 is exact, so an fp32 load holds the very same values
     up = load_hf_folder(tmp_path, dtype=torch.float32)

@@ -309,8 +309,8 @@ def test_after_weight_update_states_are_dropped(setup, rng):
 
 
 def test_stock_engine_is_refused_for_the_hybrid(tmp_path):
-    with pytest.raises(ValueError, match=r"engine = 'stock' is not available for 'qwen3_hybrid'"):
-        make_llm(str(tmp_path), arch="qwen3_hybrid", engine="stock")
+    with pytest.raises(ValueError, match=r"kernels = 'stock' is not available for 'qwen3_hybrid'"):
+        make_llm(str(tmp_path), arch="qwen3_hybrid", kernels="stock")
 
 
 # -- RL on the built-in task ----------------------------------------------------------------

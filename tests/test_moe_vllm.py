@@ -155,7 +155,7 @@ def test_stock_engine_routes_are_observed(setup, rng):
     own gate, and match the trainer's on most positions (the same function, rounded
     differently)."""
     _, trainer, folder, dtype = setup
-    llm = make_llm(folder, arch="qwen3_moe", engine="stock", dtype=dtype, kv_cache_mib=64, max_model_len=512,
+    llm = make_llm(folder, arch="qwen3_moe", kernels="stock", dtype=dtype, kv_cache_mib=64, max_model_len=512,
                    max_num_seqs=8)
     res, _ = _routes(llm, _prompts(rng, [80, 30, 120]))
     own = torch.cat(_trainer_routes(trainer, [s for s, _, _ in res]))

@@ -11,7 +11,7 @@ def test_parity_cli_exact_is_bitwise(tmp_path, capsys):
     from titan_rl.parity import main
 
     out = tmp_path / "p.json"
-    rc = main(["--config", "train_configs/debug.toml", "--engine", "exact", "--num-prompts", "6", "--detail",
+    rc = main(["--config", "train_configs/debug.toml", "--kernels", "exact", "--num-prompts", "6", "--detail",
                "--json", str(out), "--sampling.max_tokens=16", "--parity.full_vocab_prompts=1",
                "--rollout.max_num_batched_tokens=96"])
     assert rc == 0

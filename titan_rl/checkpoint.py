@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from titan_rl.kernels.mode import KernelMode
 from titan_rl.registry import ArchitectureSpec, get_architecture, list_architectures
 
 __all__ = [
@@ -380,7 +381,7 @@ _ST_FLOAT = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "
 
 
 def load_hf_folder(
-    path: str | os.PathLike, kernels: str = "exact", dtype: torch.dtype | None = None, arch: str = "qwen3"
+    path: str | os.PathLike, kernels: KernelMode = "exact", dtype: torch.dtype | None = None, arch: str = "qwen3"
 ) -> torch.nn.Module:
     """Build the registered architecture `arch` from `path`/config.json and load its weights.
 

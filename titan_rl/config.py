@@ -17,6 +17,7 @@ import tomli
 
 # [correction] is the algorithm's own config dataclass (one definition, validated there).
 from titan_rl.algorithms.corrections import CorrectionConfig
+from titan_rl.kernels.mode import KernelMode
 
 
 class ConfigError(ValueError):
@@ -32,9 +33,10 @@ class ModelConfig:
     seed: int = 0  # random-weight seed
     init_std: float = 0.02
     tp_leaves: int = 0  # >0: fixed leaf tree for TP-invariant linears (8 covers TP 1/2/4/8)
-    kernels: str = "exact"  # "stock": plain torch trainer + vLLM's built-in engine (to measure what exactness removes)
+    # "stock": plain torch trainer + vLLM's built-in engine (to measure what exactness removes)
+    kernels: KernelMode = "exact"
 
-    _choices = {"dtype": ("bfloat16", "float32"), "kernels": ("exact", "stock")}
+    _choices = {"dtype": ("bfloat16", "float32")}
 
 
 @dataclass
@@ -64,15 +66,12 @@ class RolloutConfig:
 
 @dataclass
 class ParityConfig:
-    mode: str = "exact"
     num_prompts: int = 40
     prompt_len_min: int = 4
     prompt_len_max: int = 200
     full_vocab_prompts: int = 2  # requests whose full-vocabulary log-probs are compared
     trainer_batch_sizes: list[int] = field(default_factory=lambda: [1, 3, 8])
     seed: int = 0
-
-    _choices = {"mode": ("exact", "stock")}
 
 
 # -- sections TorchTitan owns: TorchTitan's names and keys (the subset titan_rl drives) --
@@ -176,6 +175,11 @@ def _nearest(name: str, allowed) -> str:
 
 def _check_type(path: str, value, tp):
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path} = {value!r} is not allowed; allowed: {list(allowed)}")
+        return value
     if origin is list:
         (inner,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -192,12 +196,18 @@ def _check_type(path: str, value, tp):
     return value
 
 
+# Keys that name an idea another key holds: the error says which key to use.
+_MOVED_KEYS = {"parity.mode": "model.kernels (the parity harness runs that mode unless --kernels says otherwise)"}
+
+
 def _fill(obj, section: str, table: dict) -> None:
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     choices = getattr(type(obj), "_choices", {})
     for key, value in table.items():
         path = f"{section}.{key}"
+        if path in _MOVED_KEYS:
+            raise ConfigError(f"unknown key {path!r} (value {value!r}); use {_MOVED_KEYS[path]}")
         if key not in names:
             raise ConfigError(f"unknown key {path!r} (value {value!r}); allowed in [{section}]: {names}{_nearest(key, names)}")
         value = _check_type(path, value, hints[key])

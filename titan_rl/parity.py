@@ -1,8 +1,9 @@
 """Parity harness: sample with vLLM, rescore with the trainer-side model, compare.
 
-    python -m titan_rl.parity --config train_configs/debug.toml [--engine exact|stock|both]
+    python -m titan_rl.parity --config train_configs/debug.toml [--kernels exact|stock|both]
         [--num-prompts N] [--seed S] [--json OUT]
 
+The kernel mode is model.kernels from the config unless --kernels names one, or both.
 exact: vLLM runs our registered wrapper (kernels="exact"), the trainer side runs the
        same model definition with the same kernels. Expect max_abs_dlogp == 0.
 stock: vLLM runs its built-in implementation of the architecture; the trainer side
@@ -29,6 +30,7 @@ import torch
 from titan_rl import config as config_mod
 from titan_rl.jsonout import write_json
 from titan_rl.kernels import log_softmax_fp32
+from titan_rl.kernels.mode import KERNEL_MODES, KernelMode
 from titan_rl.registry import get_architecture
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -172,32 +174,33 @@ def spec_config(cfg, folder):
         return get_architecture(cfg.model.name).config_from_hf(json.load(f))
 
 
-def run_engine(cfg, folder, engine: str, prompts, seed: int, progress=print, with_detail: bool = False) -> dict:
+def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=print,
+               with_detail: bool = False) -> dict:
     from titan_rl.checkpoint import load_hf_folder
     from titan_rl.vllm.engine import make_llm
 
     r = cfg.rollout
     t0 = time.perf_counter()
-    llm = make_llm(folder, arch=cfg.model.name, engine=engine, dtype=cfg.model.dtype, seed=seed,
+    llm = make_llm(folder, arch=cfg.model.name, kernels=kernels, dtype=cfg.model.dtype, seed=seed,
                    kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
                    max_num_batched_tokens=r.max_num_batched_tokens or None,
                    enable_prefix_caching=r.enable_prefix_caching)
-    progress(f"[{engine}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
+    progress(f"[{kernels}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
     samples = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=get_architecture(cfg.model.name).moe)
     t_roll = time.perf_counter() - t0
-    progress(f"[{engine}] sampled {sum(len(s['tokens']) for s in samples)} tokens in {t_roll:.1f}s; rescoring")
+    progress(f"[{kernels}] sampled {sum(len(s['tokens']) for s in samples)} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]
-    if engine == "exact":
+    if kernels == "exact":
         from titan_rl.kernels.selfcheck import check_platform
 
         check_platform(dtype, head_dim=getattr(spec_config(cfg, folder), "head_dim", 128))
-    trainer = load_hf_folder(folder, kernels=engine, dtype=dtype, arch=cfg.model.name).eval()
+    trainer = load_hf_folder(folder, kernels=kernels, dtype=dtype, arch=cfg.model.name).eval()
     rescore(trainer, samples, cfg.parity.trainer_batch_sizes)
-    result = {"engine": engine, **compare(samples)}
+    result = {"engine": kernels, **compare(samples)}
     if with_detail:
         result.update(detail(samples))
-    if engine == "stock":  # how far is our (exact) model from vLLM's built-in one?
+    if kernels == "stock":  # how far is our (exact) model from vLLM's built-in one?
         ours = load_hf_folder(folder, kernels="exact", dtype=dtype, arch=cfg.model.name).eval()
         for s in samples:
             s["pi_stock"] = s.pop("pi")
@@ -231,8 +234,8 @@ def print_table(results: list[dict], file=None) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_rl.parity", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--engine", choices=["exact", "stock", "both"], default=None,
-                    help="default: parity.mode from the config")
+    ap.add_argument("--kernels", choices=[*KERNEL_MODES, "both"], default=None,
+                    help="the kernel mode(s) to run; default: model.kernels from the config")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -259,12 +262,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     seed = cfg.parity.seed if args.seed is None else args.seed
     n = cfg.parity.num_prompts if args.num_prompts is None else args.num_prompts
-    engines = {"both": ["exact", "stock"]}.get(args.engine or cfg.parity.mode, [args.engine or cfg.parity.mode])
+    chosen = args.kernels or cfg.model.kernels
+    modes = list(KERNEL_MODES) if chosen == "both" else [chosen]
     with tempfile.TemporaryDirectory() as work:
         folder = build_weights(cfg, work)
         vocab = spec_config(cfg, folder).vocab_size
         prompts = make_prompts(cfg, vocab, n, seed)
-        results = [run_engine(cfg, folder, e, prompts, seed, with_detail=args.detail) for e in engines]
+        results = [run_engine(cfg, folder, k, prompts, seed, with_detail=args.detail) for k in modes]
     print_table(results)
     doc = {"config": asdict(cfg), "seed": seed, "num_prompts": n, "results": results,
            **{k: v for k, v in results[0].items()}}

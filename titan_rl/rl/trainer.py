@@ -256,9 +256,8 @@ class RLTrainer(Trainer):
             json.dump(spec.config_to_hf(self.model.cfg, spec.vllm_architecture), f)
         save_file(self._full_state(), os.path.join(folder, "model.safetensors"))
         r, a = self.rl.rollout, self.rl.algorithm
-        engine = "stock" if self.rl.model.kernels == "stock" else "exact"
-        self.engine = make_llm(folder, arch=self.rl.model.name, engine=engine, dtype=self.rl.model.dtype,
-                               seed=self.rl.training.seed,
+        self.engine = make_llm(folder, arch=self.rl.model.name, kernels=self.rl.model.kernels,
+                               dtype=self.rl.model.dtype, seed=self.rl.training.seed,
                                kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
                                max_num_seqs=max(r.max_num_seqs, a.prompts_per_step * a.group_size),
                                enable_prefix_caching=r.enable_prefix_caching,

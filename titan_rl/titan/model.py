@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import BaseModel
 
+from titan_rl.kernels.mode import KernelMode
 from titan_rl.registry import get_architecture
 from titan_rl.titan.parallelize import check_tp_degree
 
@@ -50,7 +51,7 @@ class TitanModel(BaseModel):
         """Flavor of the architecture (ignored when `model_config` is given)."""
         model_config: Any = None
         """The architecture's own config object (e.g. Qwen3Config); None: flavors[flavor]."""
-        kernels: str = "exact"
+        kernels: KernelMode = "exact"
         """'exact' (batch-invariant kernels) or 'stock' (plain torch)."""
         tp_leaves: int = 0
         """Written into the architecture's config (its `tp_leaves` field; the model file

@@ -17,23 +17,22 @@ from __future__ import annotations
 
 from torchtitan.protocols.model_spec import ModelSpec
 
+from titan_rl.kernels.mode import KernelMode, check_kernels
 from titan_rl.registry import get_architecture
 from titan_rl.titan.model import TitanModel
 from titan_rl.titan.parallelize import parallelize_qwen3
 from titan_rl.titan.state_dict import TitanStateDictAdapter
 
 
-def model_config(arch_name: str = "qwen3", flavor: str = "debug", kernels: str = "exact",
+def model_config(arch_name: str = "qwen3", flavor: str = "debug", kernels: KernelMode = "exact",
                  **fields) -> TitanModel.Config:
     arch = get_architecture(arch_name)
     if fields.get("model_config") is None and flavor not in arch.flavors:
         raise ValueError(f"model.flavor = {flavor!r} is unknown for {arch_name}; allowed: {sorted(arch.flavors)}")
-    if kernels not in ("exact", "stock"):
-        raise ValueError(f"kernels = {kernels!r} is not allowed; use 'exact' or 'stock'")
-    return TitanModel.Config(arch=arch_name, flavor=flavor, kernels=kernels, **fields)
+    return TitanModel.Config(arch=arch_name, flavor=flavor, kernels=check_kernels(kernels), **fields)
 
 
-def model_spec(arch_name: str = "qwen3", flavor: str = "debug", kernels: str = "exact",
+def model_spec(arch_name: str = "qwen3", flavor: str = "debug", kernels: KernelMode = "exact",
                **fields) -> ModelSpec:
     """ModelSpec for a registered architecture. `fields` go to TitanModel.Config
     (model_config=<arch config object>, tp_leaves=8, init_seed=..., init_std=...)."""

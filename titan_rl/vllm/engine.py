@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import torch
 
+from titan_rl.kernels.mode import KernelMode, check_kernels
 from titan_rl.registry import get_architecture
 
 
-def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: str = "bfloat16", seed: int = 0,
+def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact", dtype: str = "bfloat16", seed: int = 0,
              kv_cache_mib: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
              block_size: int | None = None, logprobs_mode: str = "raw_logprobs"):
-    """engine='exact': our wrapper (same model definition as the trainer);
-    engine='stock': vLLM's built-in implementation of the same architecture.
+    """kernels='exact': our wrapper (same model definition as the trainer);
+    kernels='stock': vLLM's built-in implementation of the same architecture.
     logprobs_mode='processed_logprobs' records the log-probs of the policy actually
     sampled (temperature, top-k/top-p, renormalised); the exact engine then also uses
     titan_rl.kernels.sampling for the kept set (titan_rl.vllm.sampling.install)."""
-    if engine not in ("exact", "stock"):
-        raise ValueError(f"engine = {engine!r} is not allowed; use 'exact' or 'stock'")
+    check_kernels(kernels)
     from vllm import LLM
 
     spec = get_architecture(arch)
-    if engine == "stock" and spec.hf_architecture == spec.vllm_architecture:
-        raise ValueError(f"engine = 'stock' is not available for {arch!r}: vLLM has no built-in implementation "
-                         "of it (hf_architecture is our own wrapper); use engine = 'exact'")
-    if logprobs_mode == "processed_logprobs" and engine == "exact":
+    if kernels == "stock" and spec.hf_architecture == spec.vllm_architecture:
+        raise ValueError(f"kernels = 'stock' is not available for {arch!r}: vLLM has no built-in implementation "
+                         "of it (hf_architecture is our own wrapper); use kernels = 'exact'")
+    if logprobs_mode == "processed_logprobs" and kernels == "exact":
         from titan_rl.vllm.sampling import install
 
         install()
@@ -38,7 +38,7 @@ def make_llm(folder: str, *, arch: str = "qwen3", engine: str = "exact", dtype: 
         kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
         use_tqdm_on_load=False,
-        hf_overrides={"architectures": [spec.vllm_architecture if engine == "exact" else spec.hf_architecture]},
+        hf_overrides={"architectures": [spec.vllm_architecture if kernels == "exact" else spec.hf_architecture]},
     )
     if max_num_batched_tokens is not None:
         kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)

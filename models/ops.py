@@ -1,0 +1,116 @@
+"""Ops: every function of the models whose arithmetic depends on the kernel mode.
+
+The model files call `ops.linear`, `ops.rms_norm`, `ops.causal_attention`, `ops.lm_head`,
+`ops.gdn_recurrence`, ... and never look at the mode themselves: the table is chosen once,
+here, so "exact" cannot reach a stock function on some path (or the reverse).
+
+exact: titan_rl.kernels (batch-invariant; the rollout engine computes the same bits).
+stock: plain torch (F.linear, SDPA, ATen elementwise ops, the chunkwise GDN form), for
+measuring what exactness costs and what it removes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm
+from titan_rl.kernels.elementwise import rope as rope_exact
+from titan_rl.kernels.elementwise import silu_mul
+from titan_rl.kernels.gdn import gdn_chunked, gdn_recurrent, l2norm, lane_stable
+from titan_rl.kernels.mode import KernelMode
+from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
+
+
+class Ops:
+    """The mode-dependent functions for one kernel mode (a KernelMode, checked by the
+    caller: config reading and the models' constructor).
+
+    `linear_for(kind)`: the linear of a layer of that kind. "col" (column-parallel under
+    TP) and "row" (row-parallel) use the fixed pieces when tp_leaves > 0 (exact mode;
+    stock ignores tp_leaves); "plain" (LM head) always uses `linear`.
+
+    causal_attention(q [B, L, H, D], k/v [B, L, Hkv, D], scale) -> [B, L, H, D]: the
+    trainer's dense causal attention (every sequence starts at position 0).
+    lm_head(hidden, weight_fp32) -> fp32 logits.
+    gdn_elementwise(fn, x): a transcendental of GDN's (silu, sigmoid, exp, softplus) whose
+    input size depends on the batch; gdn_l2norm(x) -> fp32 per-head L2 norm;
+    gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state)."""
+
+    def __init__(self, kernels: KernelMode, tp_leaves: int = 0):
+        self.kernels = kernels
+        exact = kernels == "exact"
+        self.linear = linear if exact else F.linear
+        self.rms_norm = rms_norm if exact else rms_norm_eager
+        self.silu_mul = silu_mul if exact else _silu_mul
+        self.rope = rope_exact if exact else rope
+        self.causal_attention = attention_dense if exact else _sdpa_causal
+        self.lm_head = lm_head_logits if exact else _linear_fp32
+        self.gdn_elementwise = lane_stable if exact else _plain
+        self.gdn_l2norm = l2norm if exact else _plain_l2norm
+        self.gdn_recurrence = gdn_recurrent if exact else gdn_chunked
+        self.tp_leaves = tp_leaves if exact else 0
+        # One GEMM over concatenated weights (same_input) is a choice of the exact kernels.
+        self.fuse_same_input = exact
+
+    def linear_for(self, kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        L = self.tp_leaves
+        if kind == "col" and L:
+            return partial(linear_n_blocks, n_blocks=L)
+        if kind == "row" and L:
+            return partial(linear_k_leaves, k_leaves=L)
+        return self.linear
+
+    def same_input(self, x: torch.Tensor, mods: list, packed=None) -> list[torch.Tensor]:
+        """mods' outputs on x (q/k/v, gate/up). Exact mode without TP pieces runs them as
+        ONE GEMM over the concatenated weights (fewer, larger calls; the trainer
+        concatenates per call, the engine passes `packed`, the same weights prepared
+        once); both sides take this path, so both get its bits."""
+        ws = [m.weight for m in mods]
+        if not self.fuse_same_input or self.tp_leaves or any(isinstance(w, DTensor) for w in ws):
+            return [m(x) for m in mods]
+        y = self.linear(x, torch.cat(ws) if packed is None else packed)
+        return list(y.split([w.shape[0] for w in ws], -1))
+
+
+# -- the stock functions (plain torch) ------------------------------------------------------
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (HF semantics: cos/sin in fp32, cast to x's dtype), plain torch:
+    the stock mode's. Exact mode uses kernels.elementwise.rope (same formula, cos/sin
+    from a table whose bits do not depend on the call's size)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    ).transpose(1, 2)
+
+
+def _linear_fp32(hidden: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden.float(), weight_fp32)
+
+
+def _plain(fn, x):
+    return fn(x)
+
+
+def _plain_l2norm(x, eps: float = 1e-6):
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
