@@ -244,16 +244,12 @@ class RLTrainer(Trainer):
 
     # -- engine ------------------------------------------------------------------------
     def _make_engine(self):
-        from safetensors.torch import save_file
-
+        from titan_rl.checkpoint import save_hf_folder
         from titan_rl.vllm.engine import make_llm
 
-        spec = get_architecture(self.rl.model.name)
         folder = os.path.join(self.run_dir, f"engine_weights_rank{self.rank}")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(spec.config_to_hf(self.model.cfg, spec.vllm_architecture), f)
-        save_file(self._full_state(), os.path.join(folder, "model.safetensors"))
+        save_hf_folder(self.model, folder, dtype=DTYPES[self.rl.model.dtype], arch=self.rl.model.name,
+                       state_dict=self._full_state())
         r, a = self.rl.rollout, self.rl.algorithm
         engine = "stock" if self.rl.model.kernels == "stock" else "exact"
         self.engine = make_llm(folder, arch=self.rl.model.name, engine=engine, dtype=self.rl.model.dtype,
