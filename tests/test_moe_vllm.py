@@ -18,8 +18,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from _vllm_helpers import DTYPES, _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
 from titan_rl.checkpoint import load_hf_folder  # noqa: E402
+from titan_rl.metrics import expert_disagreement  # noqa: E402
 from titan_rl.models import qwen3_moe  # noqa: E402
-from titan_rl.parity import expert_disagreement  # noqa: E402
 from titan_rl.vllm.engine import make_llm  # noqa: E402
 from titan_rl.vllm.routes import capture_routes  # noqa: E402
 

@@ -78,12 +78,14 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def saved_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def saved_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None,
+                     state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The tensors `save_hf_folder` writes: HF names, tied aliases dropped, contiguous CPU
-    tensors (cast to `dtype` when given; floating tensors only)."""
+    tensors (cast to `dtype` when given; floating tensors only). `state_dict` replaces
+    `model.state_dict()` (a sharded model's full tensors, whose DTensors cannot be saved)."""
     aliases = _tied_aliases(model)
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if state_dict is None else state_dict).items():
         if name in aliases:
             continue
         t = t.detach()
@@ -213,6 +215,7 @@ def save_hf_folder(
     *,
     arch: str | None = None,
     max_shard_bytes: int | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `model` as a Hugging Face folder: config.json + model.safetensors.
 
@@ -224,8 +227,9 @@ def save_hf_folder(
     weights are split into `model-0000i-of-0000N.safetensors` plus
     `model.safetensors.index.json`. Stale weight files of the other layout are removed so
     the folder never holds two copies of a key. `arch` (the registry name) defaults to
-    the one architecture whose flavor configs have the type of `model.cfg`. Returns the
-    folder path.
+    the one architecture whose flavor configs have the type of `model.cfg`. `state_dict`
+    (the same names as `model.state_dict()`) is written instead of the model's own
+    tensors: a sharded trainer passes its full tensors. Returns the folder path.
     """
     cfg = getattr(model, "cfg", None)
     if cfg is None:
@@ -236,7 +240,7 @@ def save_hf_folder(
 
     config = dict(spec.config_to_hf(cfg, architecture or spec.vllm_architecture))
     config["torch_dtype"] = config["dtype"] = _dtype_name(dtype)
-    tensors = saved_state_dict(model, dtype)
+    tensors = saved_state_dict(model, dtype, state_dict)
 
     # Decide the layout, then clear weight files that belong to the other one.
     shards: list[dict[str, torch.Tensor]] = [tensors]

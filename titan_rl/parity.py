@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -31,7 +31,9 @@ from titan_rl import config as config_mod
 from titan_rl.jsonout import write_json
 from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.mode import KERNEL_MODES, KernelMode
+from titan_rl.metrics import expert_disagreement, full_vocab_mismatch, logprob_mismatch
 from titan_rl.registry import get_architecture
+from titan_rl.rollout import Rollout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -56,11 +58,12 @@ def make_prompts(cfg: config_mod.Config, vocab: int, n: int, seed: int) -> list[
     return [torch.randint(2, vocab, (int(L),), generator=g).tolist() for L in lens]
 
 
-def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool = False):
+def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool = False) -> Rollout:
     """Draws come from the engine's seeded RNG (LLM(seed=...)): per-request seeds cannot
     be combined with chunked prefill on vLLM 0.32's CPU runner (it rewinds generators
-    with set_offset, which CPU generators lack). routes=True (MoE): also record the
-    experts the engine chose for every computed position (titan_rl.vllm.routes)."""
+    with set_offset, which CPU generators lack). The first `full_vocab` prompts record
+    every token's log-prob. routes=True (MoE): also record the experts the engine chose
+    for every computed position (titan_rl.vllm.routes)."""
     import contextlib
 
     from vllm import SamplingParams
@@ -76,96 +79,69 @@ def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool =
     ]
     with capture_routes(llm) if routes else contextlib.nullcontext() as rec:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    engine_routes = rec.assemble(outs) if routes else {}
-    samples = []
-    for prompt, out in zip(prompts, outs):
-        c = out.outputs[0]
-        toks = list(c.token_ids)
-        mu = [lp[t].logprob for t, lp in zip(toks, c.logprobs)]
-        full = None
-        if len(c.logprobs[0]) > 1:  # full-vocabulary record
-            full = [torch.tensor([d[t].logprob for t in range(len(d))]) for d in c.logprobs]
-        samples.append({"prompt": prompt, "tokens": toks, "mu": mu, "full": full,
-                        "routes": engine_routes.get(out.request_id)})
-    if routes:
-        samples[0]["route_bytes_per_token"] = rec.bytes_per_token
-    return samples
+    return Rollout.from_vllm(outs, routes=rec)
+
+
+@dataclass
+class Scores:
+    """The trainer side's view of a Rollout, one entry per request (R_i sampled tokens, P_i prompt tokens)."""
+
+    pi: list[torch.Tensor]  # float32 [R_i]: log pi of each sampled token
+    entropy: list[torch.Tensor]  # float32 [R_i]: the trainer's entropy at each of those positions
+    full: list[torch.Tensor | None]  # float32 [R_i, V]: full log-prob rows where the rollout has the sampler's
+    routes: list[torch.Tensor] | None  # MoE: the trainer router's experts [P_i + R_i - 1, layers, k]
 
 
 @torch.no_grad()
-def rescore(model, samples, batch_sizes):
+def rescore(model, rollout: Rollout, batch_sizes: list[int]) -> Scores:
     """Trainer-side log-probs of every sampled token (and full rows where recorded),
     with the sequences grouped into batches of varying size, right-padded."""
+    scores = Scores(pi=[], entropy=[], full=[], routes=[])
     i, k = 0, 0
-    while i < len(samples):
-        group = samples[i : i + batch_sizes[k % len(batch_sizes)]]
-        i, k = i + len(group), k + 1
-        seqs = [s["prompt"] + s["tokens"] for s in group]
-        L = max(map(len, seqs))
-        batch = torch.zeros(len(seqs), L, dtype=torch.long)
-        for r, seq in enumerate(seqs):
-            batch[r, : len(seq)] = torch.tensor(seq)
+    while i < len(rollout):
+        rows = range(i, min(i + batch_sizes[k % len(batch_sizes)], len(rollout)))
+        i, k = rows.stop, k + 1
+        batch = rollout.batch(0, rows)
         logp = log_softmax_fp32(model(batch))
         own = getattr(model, "last_own_routes", None)  # MoE: the trainer router's choice
-        own = torch.stack(own, 1).view(len(seqs), L, len(own), -1) if own else None
-        for r, s in enumerate(group):
-            P, T = len(s["prompt"]), len(s["tokens"])
+        own = torch.stack(own, 1).view(*batch.shape, len(own), -1) if own else None
+        for r, j in enumerate(rows):
+            lp = logp[r, rollout.response_span(j)]
+            scores.pi.append(lp.gather(-1, torch.tensor(rollout.tokens[j])[:, None])[:, 0])
+            scores.entropy.append(-(lp.exp() * lp).nansum(-1))
+            scores.full.append(lp.clone() if rollout.full[j] is not None else None)
             if own is not None:
-                s["trainer_routes"] = own[r, : P + T - 1]
-            rows = logp[r, P - 1 : P - 1 + T]
-            s["pi"] = rows.gather(-1, torch.tensor(s["tokens"])[:, None])[:, 0].tolist()
-            s["entropy"] = (-(rows.exp() * rows).nansum(-1)).tolist()  # trainer's, at each position
-            if s["full"] is not None:
-                s["pi_full"] = rows.clone()
+                scores.routes.append(own[r, : len(rollout.prompts[j]) + len(rollout.tokens[j]) - 1])
+    if not scores.routes:
+        scores.routes = None
+    return scores
 
 
-def detail(samples) -> dict:
+def detail(rollout: Rollout, scores: Scores) -> dict:
     """Per-token arrays for the report (titan_rl.report): log ratio, both log-probs, the
     token's index in its completion and the trainer's entropy there."""
+    pi, mu = torch.cat(scores.pi).tolist(), torch.cat(rollout.mu).tolist()
     return {
-        "log_ratio": [p - m for s in samples for p, m in zip(s["pi"], s["mu"])],
-        "pi": [p for s in samples for p in s["pi"]],
-        "mu": [m for s in samples for m in s["mu"]],
-        "position": [i for s in samples for i in range(len(s["mu"]))],
-        "entropy": [e for s in samples for e in s["entropy"]],
+        "log_ratio": [p - m for p, m in zip(pi, mu)],
+        "pi": pi,
+        "mu": mu,
+        "position": [i for toks in rollout.tokens for i in range(len(toks))],
+        "entropy": torch.cat(scores.entropy).tolist(),
     }
 
 
-def expert_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Routes [N, layers, k] from two sides -> the fraction of (position, layer, slot)
-    choices of `a` that are not among `b`'s k experts there (order-free)."""
-    if a.shape != b.shape:
-        raise ValueError(f"route shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    if a.numel() == 0:
-        return 0.0
-    hit = (a.long()[..., :, None] == b.long()[..., None, :]).any(-1)
-    return float(1.0 - hit.double().mean())
-
-
-def compare(samples, key_pi="pi") -> dict:
-    mu = torch.tensor([m for s in samples for m in s["mu"]], dtype=torch.float64)
-    pi = torch.tensor([p for s in samples for p in s[key_pi]], dtype=torch.float64)
-    d = pi - mu
-    k3 = torch.exp(d) - d - 1  # rho - log(rho) - 1 with rho = pi/mu
-    out = {
-        "tokens": int(mu.numel()),
-        "bitwise_fraction": float((d == 0).double().mean()),
-        "max_abs_dlogp": float(d.abs().max()),
-        "mean_abs_dlogp": float(d.abs().mean()),
-        "k3_mean": float(k3.mean()),
-        "k3_max": float(k3.max()),
-    }
-    fulls = [(s["pi_full"], torch.stack(s["full"])) for s in samples if s.get("pi_full") is not None]
+def compare(rollout: Rollout, scores: Scores) -> dict:
+    """The parity JSON's statistics (titan_rl.metrics): sampled-token log-probs, full rows
+    where recorded, and for MoE the experts."""
+    out = logprob_mismatch(torch.cat(scores.pi), torch.cat(rollout.mu))
+    fulls = [(a, b) for a, b in zip(scores.full, rollout.full) if a is not None]
     if fulls:
-        dd = torch.cat([(a.double() - b.double()).abs().flatten() for a, b in fulls])
-        out["full_vocab_positions"] = sum(a.shape[0] for a, _ in fulls)
-        out["full_vocab_max_abs_dlogp"] = float(dd.max())
-        out["full_vocab_bitwise_fraction"] = float((dd == 0).double().mean())
-    if samples and samples[0].get("routes") is not None and "trainer_routes" in samples[0]:
-        eng = torch.cat([s["routes"] for s in samples])
+        out.update(full_vocab_mismatch(fulls))
+    if rollout.routes is not None and scores.routes is not None:
+        eng = torch.cat(rollout.routes)
         out["routed_positions"] = int(eng.shape[0])
-        out["expert_disagreement"] = expert_disagreement(eng, torch.cat([s["trainer_routes"] for s in samples]))
-        out["route_bytes_per_token"] = samples[0]["route_bytes_per_token"]
+        out["expert_disagreement"] = expert_disagreement(eng, torch.cat(scores.routes))
+        out["route_bytes_per_token"] = rollout.route_bytes_per_token
     return out
 
 
@@ -187,27 +163,22 @@ def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=pr
                    enable_prefix_caching=r.enable_prefix_caching)
     progress(f"[{kernels}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
-    samples = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=get_architecture(cfg.model.name).moe)
+    rollout = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=get_architecture(cfg.model.name).moe)
     t_roll = time.perf_counter() - t0
-    progress(f"[{kernels}] sampled {sum(len(s['tokens']) for s in samples)} tokens in {t_roll:.1f}s; rescoring")
+    progress(f"[{kernels}] sampled {rollout.num_tokens} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]
     if kernels == "exact":
         from titan_rl.kernels.selfcheck import check_platform
 
         check_platform(dtype, head_dim=getattr(spec_config(cfg, folder), "head_dim", 128))
     trainer = load_hf_folder(folder, kernels=kernels, dtype=dtype, arch=cfg.model.name).eval()
-    rescore(trainer, samples, cfg.parity.trainer_batch_sizes)
-    result = {"engine": kernels, **compare(samples)}
+    scores = rescore(trainer, rollout, cfg.parity.trainer_batch_sizes)
+    result = {"engine": kernels, **compare(rollout, scores)}
     if with_detail:
-        result.update(detail(samples))
+        result.update(detail(rollout, scores))
     if kernels == "stock":  # how far is our (exact) model from vLLM's built-in one?
         ours = load_hf_folder(folder, kernels="exact", dtype=dtype, arch=cfg.model.name).eval()
-        for s in samples:
-            s["pi_stock"] = s.pop("pi")
-            s.pop("pi_full", None)
-            s.pop("trainer_routes", None)
-        rescore(ours, samples, cfg.parity.trainer_batch_sizes)
-        unified = compare(samples)
+        unified = compare(rollout, rescore(ours, rollout, cfg.parity.trainer_batch_sizes))
         result["unified_vs_builtin_max_abs_dlogp"] = unified["max_abs_dlogp"]
         result["unified_vs_builtin_mean_abs_dlogp"] = unified["mean_abs_dlogp"]
     result["rollout_seconds"] = round(t_roll, 3)

@@ -36,8 +36,10 @@ from titan_rl.algorithms import (
 from titan_rl.checkpoint import checkpoint_fingerprint
 from titan_rl.config import Config
 from titan_rl.kernels import log_softmax_fp32
+from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, logprob_mismatch
 from titan_rl.registry import get_architecture
 from titan_rl.rl.seeds import step_seed
+from titan_rl.rollout import Rollout, pad_sequences, response_mask
 from titan_rl.tasks import load_task
 from titan_rl.validation import RunStopped, UserError, check_reward, latest_checkpoint_step
 
@@ -88,14 +90,6 @@ class _StepLoader(BaseDataLoader):
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-
-def _pad_batch(seqs: list[list[int]], pad: int) -> torch.Tensor:
-    L = max(map(len, seqs))
-    out = torch.full((len(seqs), L), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
 
 
 def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
@@ -245,16 +239,12 @@ class RLTrainer(Trainer):
 
     # -- engine ------------------------------------------------------------------------
     def _make_engine(self):
-        from safetensors.torch import save_file
-
+        from titan_rl.checkpoint import save_hf_folder
         from titan_rl.vllm.engine import make_llm
 
-        spec = get_architecture(self.rl.model.name)
         folder = os.path.join(self.run_dir, f"engine_weights_rank{self.rank}")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(spec.config_to_hf(self.model.cfg, spec.vllm_architecture), f)
-        save_file(self._full_state(), os.path.join(folder, "model.safetensors"))
+        save_hf_folder(self.model, folder, dtype=DTYPES[self.rl.model.dtype], arch=self.rl.model.name,
+                       state_dict=self._full_state())
         r, a = self.rl.rollout, self.rl.algorithm
         self.engine = make_llm(folder, arch=self.rl.model.name, kernels=self.rl.model.kernels,
                                dtype=self.rl.model.dtype, seed=self.rl.training.seed,
@@ -309,10 +299,8 @@ class RLTrainer(Trainer):
     def _sft_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
         pairs = self.task.sft_pairs(a.sft_batch, seed=step_seed(self.rl.training.seed, 1, self.step, self.dp_rank))
-        batch = _pad_batch([p + t for p, t in pairs], tok.pad_id)
-        mask = torch.zeros(batch.shape[0], batch.shape[1] - 1, dtype=torch.bool)
-        for i, (p, t) in enumerate(pairs):
-            mask[i, len(p) - 1 : len(p) - 1 + len(t)] = True
+        batch = pad_sequences([p + t for p, t in pairs], tok.pad_id)
+        mask = response_mask([len(p) for p, _ in pairs], [len(t) for _, t in pairs], batch.shape[1] - 1)
         t0 = time.perf_counter()
         logp = self._token_logprobs(batch)
         loss = -(logp * mask).sum() / mask.sum() + self._aux_loss()
@@ -321,7 +309,9 @@ class RLTrainer(Trainer):
         return {"phase": "sft", "loss": self._all_mean(float(loss.detach())), "grad_norm": grad_norm,
                 "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
 
-    def _rollout(self):
+    def _rollout(self) -> tuple[list, Rollout, float]:
+        """Sample this step's prompts: (the task example of each request, the rollout,
+        seconds spent in generate)."""
         from vllm import SamplingParams
 
         if self.engine is None:
@@ -337,7 +327,7 @@ class RLTrainer(Trainer):
                     stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0,
                     seed=step_seed(self.rl.training.seed, 3, self.step, self.dp_rank, i * a.group_size + g)))
         t0 = time.perf_counter()
-        kept = routes = None
+        ks = rec = None
         with contextlib.ExitStack() as stack:
             if s.mask_mode == "replay":
                 from titan_rl.vllm.sampling import capture_kept_sets
@@ -349,20 +339,9 @@ class RLTrainer(Trainer):
                 rec = stack.enter_context(capture_routes(self.engine))
             outs = self.engine.generate(reqs, params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        rollouts, kept_rows = [], []
-        for j, out in enumerate(outs):
-            c = out.outputs[0]
-            toks = list(c.token_ids)
-            mu = [lp[t].logprob for t, lp in zip(toks, c.logprobs)]
-            rollouts.append((examples[j // a.group_size], toks, mu))
-            if s.mask_mode == "replay":
-                kept_rows.append(ks.kept_for(out.request_id, toks))
-        if s.mask_mode == "replay":
-            kept = (torch.cat(kept_rows), ks.total_bytes)
-        if self.is_moe:
-            by_id = rec.assemble(outs)
-            routes = ([by_id[o.request_id] for o in outs], rec.bytes_per_token)
-        return rollouts, dt, kept, routes
+        # read after the captures closed: closing is where they report unattributed steps
+        rollout = Rollout.from_vllm(outs, kept_sets=ks, routes=rec)
+        return [examples[j // a.group_size] for j in range(len(rollout))], rollout, dt
 
     def _set_phase_lr(self) -> None:
         """LR for this step = configured base x phase scale x schedule(step), recomputed
@@ -378,39 +357,29 @@ class RLTrainer(Trainer):
                 group["lr"] = lr
 
     def _rl_step(self) -> dict:
-        a, tok = self.rl.algorithm, self.task.tokenizer
-        rollouts, t_roll, kept, routes = self._rollout()
-        rewards = torch.tensor(self._rewards(rollouts), dtype=torch.float32)
+        a = self.rl.algorithm
+        examples, rollout, t_roll = self._rollout()
+        rewards = torch.tensor(self._rewards(examples, rollout.tokens), dtype=torch.float32)
         adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
-        seqs = [list(ex.prompt_ids) + toks for ex, toks, _ in rollouts]
-        batch = _pad_batch(seqs, tok.pad_id)
-        B, T = batch.shape[0], batch.shape[1] - 1
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        mu = torch.zeros(B, T, dtype=torch.float32)
-        for i, (ex, toks, m) in enumerate(rollouts):
-            P = len(ex.prompt_ids)
-            mask[i, P - 1 : P - 1 + len(toks)] = True
-            mu[i, P - 1 : P - 1 + len(toks)] = torch.tensor(m, dtype=torch.float32)
+        batch, mask, mu = rollout.batch(self.task.tokenizer.pad_id), rollout.mask(), rollout.padded_mu()
+        B, L = batch.shape
         loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
         metrics: dict = {}
         engine_routes = None
-        if routes is not None:  # [B, T, layers, k], -1 where no position (padding, last token)
-            recs, bytes_per_token = routes
-            engine_routes = torch.full((B, T + 1, *recs[0].shape[1:]), -1, dtype=torch.int16)
-            for i, r in enumerate(recs):
-                engine_routes[i, : r.shape[0]] = r.to(torch.int16)
-            metrics["route_bytes_per_token"] = bytes_per_token
+        if rollout.routes is not None:
+            engine_routes = rollout.padded_routes()
+            metrics["route_bytes_per_token"] = rollout.route_bytes_per_token
             if self.rl.rollout.router_replay == "replay":
-                flat = engine_routes.view(B * (T + 1), *engine_routes.shape[2:])
+                flat = engine_routes.view(B * L, *engine_routes.shape[2:])
                 self.model.set_route_override([flat[:, layer] for layer in range(flat.shape[1])])
         t = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         ref, weights, loss_mask = mu, None, mask
         for k in range(a.updates_per_batch):
             t0 = time.perf_counter()
-            logp = self._sampled_logprobs(batch, mask, None if kept is None else kept[0])
+            logp = self._sampled_logprobs(batch, mask, rollout.kept)
             t1 = time.perf_counter()
             if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
-                metrics.update(self._mismatch(logp.detach()[mask].double(), mu[mask].double()))
+                metrics.update(self._mismatch(logp.detach()[mask], mu[mask]))
                 if engine_routes is not None:
                     metrics["expert_disagreement"] = self._expert_disagreement(engine_routes)
                 if enabled(self.corrections):
@@ -445,17 +414,18 @@ class RLTrainer(Trainer):
             "clip_fraction": self._all_mean(stats["clip_fraction"]),
             "weights_checksum_equal": same,
             "rollout_tokens_per_s": n_tok / t_roll,
-            **({"kept_set_bytes_per_token": kept[1] / max(n_tok, 1)} if kept is not None else {}),
+            **({"kept_set_bytes_per_token": rollout.kept_bytes / max(n_tok, 1)} if rollout.kept is not None else {}),
             "train_tokens_per_s": batch.numel() * a.updates_per_batch / t_train,
             **{f"time_{k}_seconds": v for k, v in t.items()},
         })
         return metrics
 
-    def _rewards(self, rollouts) -> list[float]:
-        """The task's rewards, each checked finite (a NaN reward would make the advantages,
-        the loss and then the weights NaN). All ranks stop together."""
+    def _rewards(self, examples: list, tokens: list[list[int]]) -> list[float]:
+        """The task's rewards of each request's sampled tokens, each checked finite (a NaN
+        reward would make the advantages, the loss and then the weights NaN). All ranks
+        stop together."""
         g, out, error = self.rl.algorithm.group_size, [], None
-        for j, (ex, toks, _) in enumerate(rollouts):
+        for j, (ex, toks) in enumerate(zip(examples, tokens)):
             try:
                 out.append(check_reward(self.task.reward(ex, toks), self.rl.task.name, j // g, ex, j % g, toks,
                                         self.task.tokenizer, self.step))
@@ -487,22 +457,15 @@ class RLTrainer(Trainer):
     def _expert_disagreement(self, engine_routes: torch.Tensor) -> float:
         """Sampler-recorded experts vs the trainer router's own choice at the same
         positions (last forward), over the positions the sampler computed."""
-        from titan_rl.parity import expert_disagreement
-
         B, L = engine_routes.shape[:2]
         own = torch.stack(self.model.last_own_routes, 1).view(B, L, *engine_routes.shape[2:])
         valid = engine_routes[:, :, 0, 0] >= 0
         return self._all_mean(expert_disagreement(engine_routes[valid], own[valid]))
 
     def _mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
-        d = pi - mu
-        k3 = torch.exp(d) - d - 1
-        return {
-            "bitwise_fraction": self._all_mean(float((d == 0).double().mean())),
-            "max_abs_dlogp": self._all_max(float(d.abs().max())),
-            "mean_abs_dlogp": self._all_mean(float(d.abs().mean())),
-            "k3_mean": self._all_mean(float(k3.mean())),
-        }
+        """titan_rl.metrics.logprob_mismatch of this rank's tokens, combined over ranks."""
+        m = logprob_mismatch(pi, mu)
+        return {k: (self._all_max if how == "max" else self._all_mean)(m[k]) for k, how in STEP_MISMATCH.items()}
 
     # -- metrics -------------------------------------------------------------------------
     def _truncate_metrics(self):

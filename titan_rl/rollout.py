@@ -1,0 +1,122 @@
+"""One rollout record: what vLLM sampled, in the layouts the trainer scores it in.
+
+`Rollout.from_vllm(outputs, kept_sets=..., routes=...)` reads vLLM RequestOutputs (and
+the optional kept-set and route captures of titan_rl.vllm.sampling / titan_rl.vllm.routes)
+into typed per-request fields. Its methods give the right-padded batch and the masks the
+trainer's forward and the metrics (titan_rl.metrics) use. Shapes: B requests; request i
+has a prompt of P_i tokens and R_i sampled tokens; L = max_i (P_i + R_i).
+
+Position t of a padded row is the model output at token t, which predicts token t + 1:
+request i's sampled tokens are predicted at positions P_i - 1 .. P_i + R_i - 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def pad_sequences(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    """Token sequences -> long [len(seqs), max len], right-padded with `pad`."""
+    L = max(map(len, seqs))
+    out = torch.full((len(seqs), L), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def response_mask(prompt_lens: list[int], response_lens: list[int], width: int) -> torch.Tensor:
+    """bool [B, width]: True at the positions whose next token is a response token
+    (row i: prompt_lens[i] - 1 .. prompt_lens[i] + response_lens[i] - 2)."""
+    mask = torch.zeros(len(prompt_lens), width, dtype=torch.bool)
+    for i, (P, R) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - 1 : P - 1 + R] = True
+    return mask
+
+
+@dataclass
+class Rollout:
+    """The sampler's record of one generate() call, one entry per request, in output order."""
+
+    request_ids: list[str]  # vLLM's request ids
+    prompts: list[list[int]]  # P_i prompt token ids
+    tokens: list[list[int]]  # R_i sampled token ids
+    mu: list[torch.Tensor]  # float64 [R_i]: the sampler's log-prob of each sampled token (vLLM's floats, exact)
+    full: list[torch.Tensor | None]  # float32 [R_i, V]: full log-prob rows where vLLM recorded them, else None
+    kept: torch.Tensor | None = None  # bool [sum R_i, V]: the sampler's kept set per sampled token, in request order
+    kept_bytes: int | None = None  # the kept sets' encoded size in bytes
+    routes: list[torch.Tensor] | None = None  # MoE: expert ids [P_i + R_i - 1, layers, k], uint8 (int16 > 256 experts)
+    route_bytes_per_token: int | None = None  # one position's route record in bytes
+
+    @classmethod
+    def from_vllm(cls, outputs, kept_sets=None, routes=None) -> Rollout:
+        """vLLM RequestOutputs (first completion each) -> Rollout. `kept_sets`: the
+        KeptSets of capture_kept_sets (checked against the sampled tokens); `routes`: the
+        RouteRecord of capture_routes, prefix-cache positions filled (RouteRecord.assemble)."""
+        ids, prompts, tokens, mu, full = [], [], [], [], []
+        for out in outputs:
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            ids.append(out.request_id)
+            prompts.append(list(out.prompt_token_ids))
+            tokens.append(toks)
+            mu.append(torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float64))
+            recorded = c.logprobs and len(c.logprobs[0]) > 1  # logprobs=-1: every token of the vocabulary
+            full.append(torch.stack([torch.tensor([d[t].logprob for t in range(len(d))]) for d in c.logprobs])
+                        if recorded else None)
+        r = cls(ids, prompts, tokens, mu, full)
+        if kept_sets is not None:
+            r.kept = torch.cat([kept_sets.kept_for(rid, toks) for rid, toks in zip(ids, tokens)])
+            r.kept_bytes = kept_sets.total_bytes
+        if routes is not None:
+            by_id = routes.assemble(outputs)
+            r.routes = [by_id[rid] for rid in ids]
+            r.route_bytes_per_token = routes.bytes_per_token
+        return r
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """sum R_i: the sampled tokens."""
+        return sum(map(len, self.tokens))
+
+    def sequences(self, rows: range | None = None) -> list[list[int]]:
+        """prompt + sampled tokens of each request in `rows` (default: all)."""
+        rows = range(len(self)) if rows is None else rows
+        return [self.prompts[i] + self.tokens[i] for i in rows]
+
+    def response_span(self, i: int) -> slice:
+        """The positions of request i's row that predict its sampled tokens."""
+        P = len(self.prompts[i])
+        return slice(P - 1, P - 1 + len(self.tokens[i]))
+
+    def batch(self, pad: int, rows: range | None = None) -> torch.Tensor:
+        """long [B, L]: the sequences of `rows` (default: all), right-padded with `pad`."""
+        return pad_sequences(self.sequences(rows), pad)
+
+    def mask(self) -> torch.Tensor:
+        """bool [B, L - 1]: True at the positions that predict a sampled token."""
+        L = max(map(len, self.sequences()))
+        return response_mask([len(p) for p in self.prompts], [len(t) for t in self.tokens], L - 1)
+
+    def padded_mu(self) -> torch.Tensor:
+        """float32 [B, L - 1]: mu at the mask's positions, 0 elsewhere."""
+        mask = self.mask()
+        out = torch.zeros(mask.shape, dtype=torch.float32)
+        for i, m in enumerate(self.mu):
+            out[i, self.response_span(i)] = m.to(torch.float32)
+        return out
+
+    def padded_routes(self) -> torch.Tensor:
+        """int16 [B, L, layers, k]: the engine's experts per position, -1 where it computed
+        none (padding, each row's last token). Needs `routes`."""
+        if self.routes is None:
+            raise ValueError("this rollout has no routes (capture_routes was not active)")
+        L = max(map(len, self.sequences()))
+        out = torch.full((len(self), L, *self.routes[0].shape[1:]), -1, dtype=torch.int16)
+        for i, r in enumerate(self.routes):
+            out[i, : r.shape[0]] = r.to(torch.int16)
+        return out
