@@ -11,6 +11,7 @@ Overrides use `--section.key=value` (TOML value syntax).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -155,15 +156,14 @@ def _check_type(path: str, value, tp):
     if tp is typing.Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        arms = [a for a in args if a is not type(None)]
+        arms = [a for a in args if a is not type(None)]  # TOML has no null
         if float in arms and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if len(arms) == 1:
+            return _check_type(path, value, arms[0])
         for arm in arms:
-            try:
+            with contextlib.suppress(ConfigError):
                 return _check_type(path, value, arm)
-            except ConfigError:
-                if len(arms) == 1:
-                    raise
         raise ConfigError(f"{path} = {value!r}: expected {' or '.join(map(_type_name, arms))}, "
                           f"got {type(value).__name__}")
     if origin is typing.Literal:
