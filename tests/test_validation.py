@@ -60,7 +60,7 @@ def _metrics(run_dir):
 @pytest.mark.parametrize("override, message", [
     ("--optimizer.lr=-1e-3", r"optimizer.lr = -0.001: must be > 0"),
     ("--optimizer.lr=nan", r"optimizer.lr = nan: must be > 0"),
-    ("--optimizer.beta2=1.0", r"optimizer.beta2 = 1.0: must be in \[0, 1\)"),
+    ("--optimizer.betas=[0.9, 1.0]", r"optimizer.betas = \[0.9, 1.0\]: must be two values in \[0, 1\)"),
     ("--optimizer.eps=0", r"optimizer.eps = 0.0: must be > 0"),
     ("--training.max_norm=-1", r"training.max_norm = -1.0: must be > 0"),
     ("--checkpoint.keep_latest_k=1", r"checkpoint.keep_latest_k = 1: must be 0 \(keep all\) or >= 2"),

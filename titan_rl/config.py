@@ -1,14 +1,20 @@
 """TOML -> typed config dataclasses, strictly.
 
-Every section is a dataclass; an unknown section or key, a wrong type or a value
-outside its allowed set is a ConfigError naming the key, the value, what is allowed
-and the nearest valid key. Overrides use `--section.key=value` (TOML value syntax).
+Every section is a dataclass: titan_rl's own (model, sampling, rollout, parity, algorithm,
+correction, task) and TorchTitan's own Config classes under their TorchTitan names
+(training, optimizer, lr_scheduler, parallelism, checkpoint, metrics, ...; see
+titan_rl.titan.sections). An unknown section or key, a wrong type, a value outside its
+allowed set (a Literal type or `_choices`) or a key titan_rl refuses is a ConfigError
+naming the key, the value, what is allowed (or why not) and the nearest valid key.
+Overrides use `--section.key=value` (TOML value syntax).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +24,11 @@ import tomli
 # [correction] is the algorithm's own config dataclass (one definition, validated there).
 from titan_rl.algorithms.corrections import CorrectionConfig
 from titan_rl.kernels.mode import KernelMode
+from titan_rl.titan.sections import (
+    REFUSED_AC_MODES, REFUSED_KEYS, REFUSED_SECTIONS, SECTIONS, ActivationCheckpointConfig, CheckpointManager,
+    CommConfig, DebugConfig, LRSchedulersContainer, MetricsProcessor, OptimizerConfig, ParallelismConfig,
+    Profiler, TrainingConfig,
+)
 
 
 class ConfigError(ValueError):
@@ -74,57 +85,6 @@ class ParityConfig:
     seed: int = 0
 
 
-# -- sections TorchTitan owns: TorchTitan's names and keys (the subset titan_rl drives) --
-@dataclass
-class TrainingConfig:
-    steps: int = 60
-    max_norm: float = 1.0
-    seed: int = 0
-
-
-@dataclass
-class OptimizerConfig:
-    """One catch-all parameter group (TorchTitan's default_adamw)."""
-    name: str = "AdamW"
-    lr: float = 1e-3
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-
-    _choices = {"name": ("AdamW", "Adam")}
-
-
-@dataclass
-class LRSchedulerConfig:
-    warmup_steps: int = 0
-    decay_ratio: float = 0.0  # 0 = constant after warm-up
-    decay_type: str = "linear"
-    min_lr_factor: float = 0.0
-
-    _choices = {"decay_type": ("linear", "sqrt", "cosine")}
-
-
-@dataclass
-class ParallelismConfig:
-    data_parallel_shard_degree: int = -1  # -1 = all ranks
-    tensor_parallel_degree: int = 1
-
-
-@dataclass
-class CheckpointConfig:
-    enable: bool = True
-    interval: int = 10
-    folder: str = "checkpoint"
-    keep_latest_k: int = 2
-
-
-@dataclass
-class MetricsConfig:
-    log_freq: int = 1
-    enable_tensorboard: bool = False
-
-
 # -- titan_rl's own RL sections --------------------------------------------------------
 @dataclass
 class AlgorithmConfig:
@@ -157,12 +117,17 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # TorchTitan's own sections (titan_rl.titan.sections)
+    training: TrainingConfig = field(default_factory=SECTIONS["training"])
+    optimizer: OptimizerConfig = field(default_factory=SECTIONS["optimizer"])
+    lr_scheduler: LRSchedulersContainer.Config = field(default_factory=SECTIONS["lr_scheduler"])
+    parallelism: ParallelismConfig = field(default_factory=SECTIONS["parallelism"])
+    checkpoint: CheckpointManager.Config = field(default_factory=SECTIONS["checkpoint"])
+    metrics: MetricsProcessor.Config = field(default_factory=SECTIONS["metrics"])
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=SECTIONS["activation_checkpoint"])
+    comm: CommConfig = field(default_factory=SECTIONS["comm"])
+    debug: DebugConfig = field(default_factory=SECTIONS["debug"])
+    profiler: Profiler.Config = field(default_factory=SECTIONS["profiler"])
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -173,22 +138,62 @@ def _nearest(name: str, allowed) -> str:
     return f"; did you mean {m[0]!r}?" if m else ""
 
 
+# Keys whose setting another key holds: the error names that key.
+_RENAMED = {
+    "optimizer.name": "optimizer.optimizer_name (TorchTitan's name)",
+    "optimizer.beta1": "optimizer.betas = [beta1, beta2] (TorchTitan's name)",
+    "optimizer.beta2": "optimizer.betas = [beta1, beta2] (TorchTitan's name)",
+    "parity.mode": "model.kernels (the parity harness runs that mode unless --kernels says otherwise)",
+}
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
 def _check_type(path: str, value, tp):
-    origin = typing.get_origin(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is typing.Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        arms = [a for a in args if a is not type(None)]  # TOML has no null
+        if float in arms and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if len(arms) == 1:
+            return _check_type(path, value, arms[0])
+        for arm in arms:
+            with contextlib.suppress(ConfigError):
+                return _check_type(path, value, arm)
+        raise ConfigError(f"{path} = {value!r}: expected {' or '.join(map(_type_name, arms))}, "
+                          f"got {type(value).__name__}")
     if origin is typing.Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{path} = {value!r} is not allowed; allowed: {list(allowed)}")
+        if value not in args:
+            raise ConfigError(f"{path} = {value!r} is not allowed; allowed: {list(args)}")
         return value
     if origin is list:
-        (inner,) = typing.get_args(tp)
+        (inner,) = args
         if not isinstance(value, list):
-            raise ConfigError(f"{path} = {value!r}: expected a list of {inner.__name__}")
+            raise ConfigError(f"{path} = {value!r}: expected a list of {_type_name(inner)}")
         return [_check_type(f"{path}[{i}]", v, inner) for i, v in enumerate(value)]
-    if tp is dict:
+    if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} = {value!r}: expected a table")
-        return value
+        inner = args[1] if args else typing.Any
+        return {k: _check_type(f"{path}.{k}", v, inner) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} = {value!r}: expected a table of {tp.__name__}")
+        required = [f.name for f in dataclasses.fields(tp)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in value]
+        if missing:
+            raise ConfigError(f"{path} = {value!r}: missing {missing}")
+        hints = typing.get_type_hints(tp)
+        names = [f.name for f in dataclasses.fields(tp)]
+        for key in value:
+            if key not in names:
+                raise ConfigError(f"unknown key '{path}.{key}'; allowed: {names}{_nearest(key, names)}")
+        return tp(**{k: _check_type(f"{path}.{k}", v, hints[k]) for k, v in value.items()})
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
@@ -196,18 +201,16 @@ def _check_type(path: str, value, tp):
     return value
 
 
-# Keys that name an idea another key holds: the error says which key to use.
-_MOVED_KEYS = {"parity.mode": "model.kernels (the parity harness runs that mode unless --kernels says otherwise)"}
-
-
 def _fill(obj, section: str, table: dict) -> None:
     hints = typing.get_type_hints(type(obj))
-    names = [f.name for f in dataclasses.fields(obj)]
+    names = [f.name for f in dataclasses.fields(obj) if f"{section}.{f.name}" not in REFUSED_KEYS]
     choices = getattr(type(obj), "_choices", {})
     for key, value in table.items():
         path = f"{section}.{key}"
-        if path in _MOVED_KEYS:
-            raise ConfigError(f"unknown key {path!r} (value {value!r}); use {_MOVED_KEYS[path]}")
+        if path in REFUSED_KEYS:
+            raise ConfigError(f"{path} = {value!r}: titan_rl does not take this TorchTitan key: {REFUSED_KEYS[path]}")
+        if path in _RENAMED:
+            raise ConfigError(f"{path} = {value!r}: this key is {_RENAMED[path]}")
         if key not in names:
             raise ConfigError(f"unknown key {path!r} (value {value!r}); allowed in [{section}]: {names}{_nearest(key, names)}")
         value = _check_type(path, value, hints[key])
@@ -220,6 +223,8 @@ def from_dict(data: dict) -> Config:
     cfg = Config()
     sections = [f.name for f in dataclasses.fields(cfg)]
     for section, table in data.items():
+        if section in REFUSED_SECTIONS:
+            raise ConfigError(f"[{section}]: titan_rl does not take this TorchTitan section: {REFUSED_SECTIONS[section]}")
         if section not in sections:
             raise ConfigError(f"unknown section [{section}]; allowed: {sections}{_nearest(section, sections)}")
         if not isinstance(table, dict):
@@ -270,7 +275,11 @@ def validate(cfg: Config) -> None:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
+    ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
+    if ac_reason:
+        raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
     _check_ranges(cfg)
+    _check_titan_sections(cfg)
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
@@ -281,8 +290,7 @@ def validate(cfg: Config) -> None:
 _RANGES = [
     ("optimizer.lr", lambda v: v > 0, "> 0"),
     ("optimizer.eps", lambda v: v > 0, "> 0"),
-    ("optimizer.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optimizer.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optimizer.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
     ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
     ("training.max_norm", lambda v: v > 0, "> 0"),
     ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
@@ -320,6 +328,16 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key} = {v!r}: must be {allowed}")
 
 
+def _check_titan_sections(cfg: Config) -> None:
+    """TorchTitan's own checks (each class's __post_init__, which setting a key skips):
+    rebuilt from its values, so a TorchTitan refusal is a ConfigError, not a traceback."""
+    for section in SECTIONS:
+        try:
+            setattr(cfg, section, dataclasses.replace(getattr(cfg, section)))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"[{section}] {e}") from None
+
+
 def validate_parity(cfg: Config) -> None:
     p, s = cfg.parity, cfg.sampling
     if p.prompt_len_max + s.max_tokens > cfg.rollout.max_model_len:
@@ -353,11 +371,21 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return from_dict(data)
 
 
+def to_dict(cfg: Config) -> dict:
+    """{section: {key: value}} of every key a TOML file may set (refused keys and None,
+    which TOML cannot write, left out): what to_toml writes and a relaunch compares."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        table = dataclasses.asdict(getattr(cfg, f.name))
+        out[f.name] = {k: v for k, v in table.items() if v is not None and f"{f.name}.{k}" not in REFUSED_KEYS}
+    return out
+
+
 def to_toml(cfg: Config) -> str:
     out = []
-    for f in dataclasses.fields(cfg):
-        out.append(f"[{f.name}]")
-        for k, v in dataclasses.asdict(getattr(cfg, f.name)).items():
+    for section, table in to_dict(cfg).items():
+        out.append(f"[{section}]")
+        for k, v in table.items():
             out.append(f"{k} = {_toml_value(v)}")
         out.append("")
     return "\n".join(out)
@@ -370,6 +398,6 @@ def _toml_value(v):
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
+    if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)

@@ -8,7 +8,6 @@ two settings.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import os
@@ -98,7 +97,7 @@ def check_run_config(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> 
     """Compare the resolved config with the one the run dir stored. Returns the allowed
     changes (to be logged); refuses any other difference when the run dir has progress
     to resume (a checkpoint), since TorchTitan would resume it under the new settings."""
-    new = dataclasses.asdict(cfg)
+    new = config_mod.to_dict(cfg)
     flat_keys = list(_flat(new))
     for key in allow:
         if key not in flat_keys:

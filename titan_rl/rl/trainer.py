@@ -93,12 +93,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import default_adamw
-    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from dataclasses import replace
 
+    from titan_rl.titan.sections import trainer_sections
     from titan_rl.titan.spec import model_spec
 
     fields, initial_load = {}, {}
@@ -108,14 +105,15 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
             raise SystemExit(f"model.checkpoint = {cfg.model.checkpoint!r}: no config.json in that folder")
         with open(cfg_path) as f:
             fields["model_config"] = get_architecture(cfg.model.name).config_from_hf(json.load(f))
-        initial_load = dict(initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
+        initial_load = dict(enable=True, initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
                             initial_load_model_only=True)
     spec = model_spec(cfg.model.name, cfg.model.flavor, cfg.model.kernels, init_seed=cfg.model.seed,
                       init_std=cfg.model.init_std, tp_leaves=cfg.model.tp_leaves, **fields)
-    o = cfg.optimizer
-    optimizer = default_adamw(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-    optimizer.param_groups[0].optimizer_name = o.name
-    c = cfg.checkpoint
+    sections = trainer_sections(cfg)
+    # the keys titan_rl derives (refused in TOML): one sequence per row, as long as the engine's
+    sections["training"].local_batch_size = 1
+    sections["training"].seq_len = cfg.rollout.max_model_len
+    sections["training"].mixed_precision_param = cfg.model.dtype
     config = Trainer.Config(
         model_spec=spec,
         hf_assets_path=run_dir,
@@ -123,21 +121,8 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
         tokenizer=_NullTokenizer.Config(vocab_size=spec.model.arch_config().vocab_size),
         dataloader=_StepLoader.Config(),
         loss=CrossEntropyLoss.Config(),
-        optimizer=optimizer,
-        lr_scheduler=LRSchedulersContainer.Config(
-            warmup_steps=cfg.lr_scheduler.warmup_steps, decay_ratio=cfg.lr_scheduler.decay_ratio,
-            decay_type=cfg.lr_scheduler.decay_type, min_lr_factor=cfg.lr_scheduler.min_lr_factor),
-        training=TrainingConfig(local_batch_size=1, seq_len=cfg.rollout.max_model_len, steps=cfg.training.steps,
-                                max_norm=cfg.training.max_norm, mixed_precision_param=cfg.model.dtype),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=cfg.parallelism.data_parallel_shard_degree,
-                                      tensor_parallel_degree=cfg.parallelism.tensor_parallel_degree),
-        checkpoint=CheckpointManager.Config(enable=c.enable or bool(initial_load), interval=c.interval,
-                                            folder=c.folder, keep_latest_k=c.keep_latest_k,
-                                            last_save_model_only=False,
-                                            **(initial_load or dict(initial_load_model_only=False))),
-        metrics=MetricsProcessor.Config(log_freq=cfg.metrics.log_freq,
-                                        enable_tensorboard=cfg.metrics.enable_tensorboard),
-        activation_checkpoint=None,
+        checkpoint=replace(cfg.checkpoint, **initial_load),
+        **sections,
     )
     cpu_compat.trainer_overrides(config)
     return config
