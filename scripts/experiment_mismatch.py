@@ -20,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 
+from titan_rl.charts import line_chart
 from titan_rl.jsonout import write_json
-from titan_rl.report import line_chart, page, table
+from titan_rl.report import page, table
 from titan_rl.rl.trainer import read_metrics
 
 MODES = {

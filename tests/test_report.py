@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from titan_rl import report
+from titan_rl import charts, report
 
 
 def _run_dir(tmp_path, mismatch=True):
@@ -160,6 +160,58 @@ def test_cli_module_exit_code(tmp_path):
 
 
 def test_nice_ticks_cover_range():
-    t = report.nice_ticks(0.0, 1.15)
+    t = charts.nice_ticks(0.0, 1.15)
     assert t[0] <= 0.0 and t[-1] >= 1.15
-    assert all(float(x).is_integer() for x in report.nice_ticks(3, 24, 6, integer=True))
+    assert all(float(x).is_integer() for x in charts.nice_ticks(3, 24, 6, integer=True))
+
+
+def _svgs(text):
+    svgs = re.findall(r"<svg\b.*?</svg>", text, re.S)
+    assert len(svgs) == text.count("<svg")
+    return svgs
+
+
+RUN_TITLES = ("Mean reward per RL step", "Max |pi - mu| per step", "Mean |pi - mu| per step",
+              "k3 mean (KL estimate) per step", "Fraction of tokens bitwise equal",
+              "Loss (SFT warm-up, then RL policy gradient)", "Mean response length", "Throughput")
+
+
+def test_each_chart_is_an_inline_svg_with_its_title(tmp_path):
+    d = _run_dir(tmp_path)
+    assert report.main([str(d)]) == 0
+    text = (d / "report.html").read_text()
+    assert "<?xml" not in text and "<!DOCTYPE svg" not in text  # inlined, not a standalone SVG file
+    svgs = _svgs(text)
+    assert len(svgs) == len(RUN_TITLES)
+    for title, svg in zip(RUN_TITLES, svgs):
+        escaped = title.replace("&", "&amp;")
+        assert f'aria-label="{escaped}"' in svg, title
+        assert re.search(r"<text\b[^>]*>" + re.escape(escaped) + "</text>", svg), title
+    p = _parity(tmp_path, detail=True)
+    assert report.main([str(p)]) == 0
+    svgs = _svgs((tmp_path / "p.html").read_text())
+    for i, engine in enumerate(("exact", "stock")):
+        for j, title in enumerate(("distribution of |log ratio|", "trainer vs sampler probability",
+                                   "by token position", "by entropy")):
+            assert re.search(r"<text\b[^>]*>" + re.escape(f"{engine}: ") + r"[^<]*" + re.escape(title),
+                             svgs[4 * i + j]), (engine, title)
+
+
+def test_chart_ids_are_unique_in_the_page(tmp_path):
+    p = _parity(tmp_path, detail=True)
+    assert report.main([str(p)]) == 0
+    text = (tmp_path / "p.html").read_text()
+    ids = re.findall(r'\bid="([^"]+)"', text)
+    assert ids and len(ids) == len(set(ids))
+    refs = set(re.findall(r'(?:url\(#|href="#)([^)"]+)', text))
+    assert refs and refs <= set(ids)
+
+
+def test_rendering_is_deterministic(tmp_path):
+    d = _run_dir(tmp_path)
+    p = _parity(tmp_path, detail=True)
+    for path in (d, p):
+        a, b = tmp_path / "a.html", tmp_path / "b.html"
+        assert report.main([str(path), "--out", str(a)]) == 0
+        assert report.main([str(path), "--out", str(b)]) == 0
+        assert a.read_bytes() == b.read_bytes(), path
