@@ -11,7 +11,6 @@ vLLM validates backend names against its enum.
 
 from __future__ import annotations
 
-import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from titan_rl.kernels import attention_paged
