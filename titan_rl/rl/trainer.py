@@ -1,8 +1,9 @@
 """RLTrainer: TorchTitan's Trainer with an RL step (see titan_rl/train.py for the flow).
 
-TorchTitan owns: model build + parallelize (our ModelSpec), optimizer, LR schedule,
-gradient clipping, DCP checkpoints (save every `checkpoint.interval`, resume on relaunch),
-the step loop. We override only `train_step`. Everything random is a pure function of
+TorchTitan owns: model build + parallelize (our ModelSpec), the optimizer and LR schedule
+objects, DCP checkpoints (save every `checkpoint.interval`, resume on relaunch), the step
+loop. We override `train_step`, and inside it clip gradients (`_optimizer_step`) and set
+the LR per phase (`_set_phase_lr`) ourselves. Everything random is a pure function of
 (training.seed, step, rank), so a run resumed from a checkpoint replays the same
 prompts and the same sampling seeds and logs the same metrics as an uninterrupted run.
 """
