@@ -17,13 +17,15 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+from titan_rl import quiet
 
-import torch  # noqa: E402
+quiet.install()  # before torch, torchao and vLLM load
 
-from titan_rl.checkpoint import save_hf_folder  # noqa: E402
-from titan_rl.jsonout import write_json  # noqa: E402
-from titan_rl.models.qwen3 import build  # noqa: E402
+import torch
+
+from titan_rl.checkpoint import save_hf_folder
+from titan_rl.jsonout import write_json
+from titan_rl.models.qwen3 import build
 
 
 def gemm_peak_gflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:

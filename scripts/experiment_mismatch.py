@@ -20,6 +20,10 @@ import subprocess
 import sys
 import tempfile
 
+from titan_rl import quiet
+
+quiet.install()  # before torch, torchao and TorchTitan load
+
 from titan_rl.charts import line_chart
 from titan_rl.jsonout import write_json
 from titan_rl.report import page, table

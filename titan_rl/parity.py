@@ -25,6 +25,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from titan_rl import quiet
+
+quiet.install()  # before torch, torchao and vLLM load: their known-harmless notices stay off the console
+
 import torch
 
 from titan_rl import config as config_mod

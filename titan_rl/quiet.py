@@ -11,6 +11,9 @@ anything new from those libraries still shows.
     output dropping FSDP's pre-backward hook. Every use of the output in
     titan_rl/rl/trainer.py is out of place (slicing + boolean indexing, log-softmax), and
     the bitwise trainer-vs-engine tests would catch a skipped all-gather.
+  * c10's C++ warnings (read once, at torch import: TORCH_CPP_LOG_LEVEL=ERROR unless the
+    user set it): the one a run prints is vLLM's CPU worker announcing its NUMA memory
+    binding. Set TORCH_CPP_LOG_LEVEL=WARNING to see them.
   * vLLM: Triton has no CPU backend (vLLM falls back to its torch ops); a deprecated
     alias its dispatcher touches while scanning torch.distributed.
 """
@@ -18,6 +21,7 @@ anything new from those libraries still shows.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 _LOG_MESSAGES = {
@@ -48,12 +52,14 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Call before importing torchao / TorchTitan / vLLM. Logger filters apply to records
-    logged on that very logger, which survives TorchTitan replacing the root handlers."""
+    """Call from an entry point before importing torch / torchao / TorchTitan / vLLM.
+    Logger filters apply to records logged on that very logger, which survives TorchTitan
+    replacing the root handlers."""
     global _INSTALLED
     if _INSTALLED:
         return
     _INSTALLED = True
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     for name, prefixes in _LOG_MESSAGES.items():
         logging.getLogger(name).addFilter(_Drop(prefixes))
     for category, message in _WARNINGS:

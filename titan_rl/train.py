@@ -24,10 +24,6 @@ import os
 import sys
 from pathlib import Path
 
-# c10's C++ warnings (read at torch import): the one a run prints is vLLM's CPU worker
-# announcing its NUMA memory binding. Set TORCH_CPP_LOG_LEVEL=WARNING to see them.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
 
 def main(argv=None) -> int:
     from titan_rl import quiet
