@@ -1,7 +1,7 @@
 """TOML -> typed config dataclasses, strictly.
 
 Every section is a dataclass: titan_rl's own (model, sampling, rollout, parity, algorithm,
-correction, task) and TorchTitan's own Config classes under their TorchTitan names
+correction, task, quantization) and TorchTitan's own Config classes under their TorchTitan names
 (training, optimizer, lr_scheduler, parallelism, checkpoint, metrics, ...; see
 titan_rl.titan.sections). An unknown section or key, a wrong type, a value outside its
 allowed set (a Literal type or `_choices`) or a key titan_rl refuses is a ConfigError
@@ -24,6 +24,7 @@ import tomli
 # [correction] is the algorithm's own config dataclass (one definition, validated there).
 from titan_rl.algorithms.corrections import CorrectionConfig
 from titan_rl.kernels.mode import KernelMode
+from titan_rl.kernels.quant.recipes import QUANT_LAYERS, QuantLayer, QuantRecipe
 from titan_rl.titan.sections import (
     REFUSED_AC_MODES, REFUSED_KEYS, REFUSED_SECTIONS, SECTIONS, ActivationCheckpointConfig, CheckpointManager,
     CommConfig, DebugConfig, LRSchedulersContainer, MetricsProcessor, OptimizerConfig, ParallelismConfig,
@@ -112,6 +113,14 @@ class TaskConfig:
 
 
 @dataclass
+class QuantizationConfig:
+    # one recipe for weights and activations of the covered linears (docs/quantization.md)
+    recipe: QuantRecipe = "none"
+    # the decoder linears it covers; embeddings, LM head, MoE router and GDN gates never are
+    layers: list[QuantLayer] = field(default_factory=lambda: list(QUANT_LAYERS))
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -131,6 +140,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
 
 
 def _nearest(name: str, allowed) -> str:
@@ -278,11 +288,18 @@ def validate(cfg: Config) -> None:
     ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
     if ac_reason:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
+    _check_quantization(cfg.quantization)
     _check_ranges(cfg)
     _check_titan_sections(cfg)
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
+
+
+def _check_quantization(q: QuantizationConfig) -> None:
+    if q.recipe != "none":
+        raise ConfigError(f"quantization.recipe = {q.recipe!r}: the quantizer exists (titan_rl.kernels.quant) but "
+                          f"neither engine runs it yet; allowed today: 'none'")
 
 
 # (key, test, what is allowed): every numeric value with a range. A value outside it would

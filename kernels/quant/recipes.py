@@ -1,0 +1,49 @@
+"""The quantization recipes' names, the layer groups a recipe can cover, the types the
+quantizers share.
+
+Kept free of torchao so that reading a config does not import it. docs/quantization.md
+says what each recipe stores and which torchao config it corresponds to.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+import torch
+
+QuantRecipe = Literal["none", "fp8_rowwise", "fp8_block", "mxfp8", "nvfp4", "nvfp4_w4a4"]
+QUANT_RECIPES: tuple[str, ...] = typing.get_args(QuantRecipe)
+
+# A quantized tensor's scales, by recipe: (fp32 scales,) for fp8, (E8M0 scales,) for mxfp8,
+# (e4m3 block scales, fp32 global scale) for nvfp4.
+Scales = tuple[torch.Tensor, ...]
+
+# A tensor's role decides its scale layout: a weight is fixed between syncs and may share
+# a scale across rows (fp8_block's 128x128 tiles, nvfp4's per-tensor scale); an
+# activation row is one token, so its scales come from that row alone.
+Role = Literal["weight", "activation"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
+
+# How an activation's dynamic scale is reduced: "row" = over the row's own elements (the
+# whole row, or each block of it, as the recipe says); "tensor" = over the whole batch,
+# which exact mode refuses (check_activation_scale).
+ActivationScale = Literal["row", "tensor"]
+
+# The decoder's linears a recipe covers. Embeddings, the LM head, the MoE router and the
+# GDN gates (in_proj_ba) are never quantized (docs/quantization.md says why).
+QuantLayer = Literal["attention", "mlp", "experts", "linear_attention"]
+QUANT_LAYERS: tuple[str, ...] = typing.get_args(QuantLayer)
+
+
+def check_activation_scale(value: object) -> ActivationScale:
+    """`value` if an activation may be scaled that way in exact mode; a ValueError otherwise."""
+    if value == "tensor":
+        raise ValueError(
+            "activation_scale = 'tensor': a per-tensor dynamic activation scale is the amax over every "
+            "row in the batch, so a row's quantized bits would depend on its neighbours (the other "
+            "requests scheduled with it); exact mode refuses it. Use 'row' (scales from the row's own "
+            "elements: per row, or per block of the row)")
+    if value != "row":
+        raise ValueError(f"activation_scale = {value!r} is not allowed; allowed: {list(typing.get_args(ActivationScale))}")
+    return "row"

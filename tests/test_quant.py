@@ -1,0 +1,177 @@
+"""Quantizers (kernels/quant): each recipe against torchao's own tensor classes and against
+the plain reference (bit for bit), row invariance (a row's payload and scales alone equal
+the same row inside batches of random rows), the refusal of batch-wide activation scales,
+block-shape errors, storage dtypes and bytes."""
+
+import pytest
+import torch
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+from torchao.quantization.granularity import PerBlock, PerRow
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+from titan_rl.kernels import quant
+from titan_rl.kernels.quant.reference import dequantize_reference, quantize_reference
+from titan_rl.kernels.quant.torch_impl import AMAX_EPS
+
+RECIPES = [r for r in quant.QUANT_RECIPES if r != "none"]
+# (recipe, role) pairs that quantize, with a K (and weight rows) their blocks allow
+CASES = [(r, role) for r in RECIPES for role in quant.ROLES if not (r == "nvfp4" and role == "activation")]
+K = {"fp8_rowwise": 7, "fp8_block": 256, "mxfp8": 96, "nvfp4": 48, "nvfp4_w4a4": 48}
+
+
+def _rows(recipe, role, m):
+    return 128 if recipe == "fp8_block" and role == "weight" else m
+
+
+def _randn(m, k, dtype=torch.bfloat16, seed=None):
+    """Rows of very different magnitudes (so a scale shared across rows would show)."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()  # fresh inputs on every run
+    else:
+        g.manual_seed(seed)
+    mag = 10.0 ** (torch.rand(m, 1, generator=g) * 6 - 3)
+    return (torch.randn(m, k, generator=g) * mag).to(dtype)
+
+
+def _bits(t):
+    """Comparable bits of a tensor (float8 / e8m0 have no torch.equal on CPU)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def _same(a, b):
+    return torch.equal(_bits(a), _bits(b))
+
+
+def _assert_same(got, want):
+    (p, s), (p2, s2) = got, want
+    assert p.dtype == p2.dtype and _same(p, p2)
+    assert len(s) == len(s2)
+    for a, b in zip(s, s2):
+        assert a.shape == b.shape and a.dtype == b.dtype and _same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("recipe, role", CASES)
+def test_matches_reference(recipe, role, dtype):
+    x = _randn(_rows(recipe, role, 13), K[recipe], dtype)
+    x[1] = 0  # an all-zero row: zeros, not NaN
+    got = quant.quantize(x, recipe, role)
+    _assert_same(got, quantize_reference(x, recipe, role))
+    dq = quant.dequantize(*got, recipe, dtype)
+    assert dq.dtype == dtype and torch.equal(dq, dequantize_reference(*got, recipe, dtype))
+    assert not dq.isnan().any() and torch.equal(dq[1], torch.zeros_like(dq[1]))
+    assert torch.equal(quant.fake_quantize(x, recipe, role), dq)
+
+
+def _torchao(x, recipe, role):
+    """torchao's public tensor class for the recipe: (payload, scales) and its dequantize."""
+    if recipe in ("fp8_rowwise", "fp8_block"):
+        gran = PerRow() if recipe == "fp8_rowwise" else PerBlock([128, 128] if role == "weight" else [1, 128])
+        t = Float8Tensor.from_hp(x, granularity=gran, hp_value_lb=AMAX_EPS, kernel_preference=KernelPreference.TORCH)
+        return (t.qdata, (t.scale,)), t.dequantize(x.dtype)
+    if recipe == "mxfp8":
+        t = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+        return (t.qdata, (t.scale,)), t.dequantize(x.dtype)
+    if role == "weight":
+        g = per_tensor_amax_to_scale(x.abs().amax())
+        t = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=g)
+        return (t.qdata, (t.scale, g)), t.dequantize(x.dtype)
+    # nvfp4_w4a4 activations: torchao's per-tensor NVFP4 applied to each row alone
+    rows = [NVFP4Tensor.to_nvfp4(r[None], per_tensor_scale=per_tensor_amax_to_scale(r.abs().amax())) for r in x]
+    payload = torch.cat([t.qdata for t in rows])
+    scales = (torch.cat([t.scale for t in rows]), torch.stack([t.per_tensor_scale for t in rows])[:, None])
+    return (payload, scales), torch.cat([t.dequantize(x.dtype) for t in rows])
+
+
+@pytest.mark.parametrize("recipe, role", CASES)
+def test_matches_torchao(recipe, role):
+    """Bit-equal: the same computation as torchao's tensor classes (fp8 with torchao's own
+    amax floor passed in: hp_value_lb; nvfp4 with the global scale torchao's weight-only
+    config computes)."""
+    x = _randn(_rows(recipe, role, 37), K[recipe])
+    got = quant.quantize(x, recipe, role)
+    want, want_dq = _torchao(x, recipe, role)
+    _assert_same(got, want)
+    assert torch.equal(quant.dequantize(*got, recipe, x.dtype), want_dq)
+
+
+@pytest.mark.parametrize("m", [1, 3, 13, 37])
+@pytest.mark.parametrize("recipe", [r for r, role in CASES if role == "activation"])
+def test_activation_row_invariance(recipe, m):
+    """A row's payload and scales alone == the same row at a random place among m - 1
+    random rows of other magnitudes (fresh inputs every run)."""
+    k = K[recipe]
+    row = _randn(1, k)
+    batch = _randn(m, k)
+    at = int(torch.randint(m, ()))
+    batch[at] = row[0]
+    p1, s1 = quant.quantize(row, recipe, "activation")
+    pm, sm = quant.quantize(batch, recipe, "activation")
+    assert _same(pm[at:at + 1], p1)
+    for a, b in zip(sm, s1):
+        assert a.shape[0] == m and _same(a[at:at + 1], b)
+
+
+def test_per_tensor_activation_scale_is_batch_variant_and_refused():
+    """torchao's default NVFP4 activation scale is over the tensor: the same row's bits change
+    with its neighbours. quantize refuses that scaling for every activation recipe."""
+    row = _randn(1, 48, seed=1).float()
+    batch = torch.cat([row, 1000 * row.abs().max() * torch.ones(1, 48)])
+    alone = NVFP4Tensor.to_nvfp4(row, per_tensor_scale=per_tensor_amax_to_scale(row.abs().amax()))
+    inside = NVFP4Tensor.to_nvfp4(batch, per_tensor_scale=per_tensor_amax_to_scale(batch.abs().amax()))
+    assert not torch.equal(inside.qdata[:1], alone.qdata)
+    for recipe in [r for r, role in CASES if role == "activation"]:
+        with pytest.raises(ValueError, match=r"activation_scale = 'tensor': a per-tensor dynamic activation scale .*"
+                                             r"depend on its neighbours.*exact mode refuses it"):
+            quant.quantize(_randn(3, K[recipe]), recipe, "activation", activation_scale="tensor")
+
+
+@pytest.mark.parametrize("recipe, role, shape", [
+    ("fp8_block", "activation", (3, 200)), ("fp8_block", "weight", (100, 128)), ("fp8_block", "weight", (128, 7)),
+    ("mxfp8", "activation", (3, 7)), ("mxfp8", "weight", (5, 48)),
+    ("nvfp4", "weight", (3, 7)), ("nvfp4_w4a4", "activation", (13, 40)),
+])
+def test_shapes_that_do_not_tile_are_errors(recipe, role, shape):
+    with pytest.raises(ValueError, match=rf"^{recipe} quantizes {role}s in blocks of \d+x\d+ .*shape "
+                                         rf"\({shape[0]}, {shape[1]}\) does not divide into them"):
+        quant.quantize(_randn(*shape), recipe, role)
+
+
+@pytest.mark.parametrize("recipe, role", CASES)
+def test_storage_dtypes_and_bytes(recipe, role):
+    """The payload is in the recipe's storage dtype and payload + scales take fewer bytes than bf16."""
+    x = _randn(_rows(recipe, role, 37), 4 * K[recipe])
+    payload, scales = quant.quantize(x, recipe, role)
+    fp4 = recipe.startswith("nvfp4")
+    assert payload.dtype == (torch.uint8 if fp4 else torch.float8_e4m3fn)
+    assert payload.shape == (x.shape[0], x.shape[1] // 2 if fp4 else x.shape[1])
+    assert scales[0].dtype == {"mxfp8": torch.float8_e8m0fnu}.get(recipe, torch.float8_e4m3fn if fp4 else torch.float32)
+    stored = payload.nbytes + sum(s.nbytes for s in scales)
+    assert stored < x.nbytes
+    assert stored < (0.3 if fp4 else 0.6) * x.nbytes
+
+
+def test_recipe_errors():
+    x = _randn(3, 48)
+    with pytest.raises(ValueError, match=r"recipe = 'fp4' is not allowed; allowed: \['none', 'fp8_rowwise'"):
+        quant.quantize(x, "fp4", "weight")
+    with pytest.raises(ValueError, match=r"recipe = 'none' quantizes nothing"):
+        quant.quantize(x, "none", "weight")
+    with pytest.raises(ValueError, match=r"recipe 'nvfp4' quantizes weights only"):
+        quant.quantize(x, "nvfp4", "activation")
+    with pytest.raises(ValueError, match=r"role = 'bias' is not allowed; allowed: \['weight', 'activation'\]"):
+        quant.quantize(x, "mxfp8", "bias")
+    with pytest.raises(ValueError, match=r"2D tensors"):
+        quant.quantize(x[None], "mxfp8", "weight")
+
+
+def test_fake_quantize_gradient_is_straight_through():
+    x = _randn(5, 96).float().requires_grad_()
+    y = quant.fake_quantize(x, "mxfp8", "activation")
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
