@@ -165,6 +165,8 @@ def test_recipe_errors():
         quant.quantize(x, "nvfp4", "activation")
     with pytest.raises(ValueError, match=r"role = 'bias' is not allowed; allowed: \['weight', 'activation'\]"):
         quant.quantize(x, "mxfp8", "bias")
+    with pytest.raises(ValueError, match=r"activation_scale = 'batch' is not allowed; allowed: \['row', 'tensor'\]"):
+        quant.quantize(x, "mxfp8", "activation", activation_scale="batch")
     with pytest.raises(ValueError, match=r"2D tensors"):
         quant.quantize(x[None], "mxfp8", "weight")
 

@@ -14,6 +14,8 @@ recipe names, and importing torchao costs seconds and logs warnings on CPU.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from titan_rl.kernels.quant.recipes import (
@@ -21,13 +23,16 @@ from titan_rl.kernels.quant.recipes import (
     check_activation_scale,
 )
 
+if TYPE_CHECKING:
+    from titan_rl.kernels.quant.torch_impl import RecipeImpl
+
 __all__ = [
     "QUANT_LAYERS", "QUANT_RECIPES", "ROLES", "ActivationScale", "QuantLayer", "QuantRecipe", "Role", "Scales",
     "check_activation_scale", "dequantize", "fake_quantize", "quantize",
 ]
 
 
-def _impl(recipe: str):
+def _impl(recipe: str) -> RecipeImpl:
     from titan_rl.kernels.quant.torch_impl import RECIPES
 
     if recipe == "none":
