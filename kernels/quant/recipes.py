@@ -45,5 +45,6 @@ def check_activation_scale(value: object) -> ActivationScale:
             "requests scheduled with it); exact mode refuses it. Use 'row' (scales from the row's own "
             "elements: per row, or per block of the row)")
     if value != "row":
-        raise ValueError(f"activation_scale = {value!r} is not allowed; allowed: {list(typing.get_args(ActivationScale))}")
+        allowed = list(typing.get_args(ActivationScale))
+        raise ValueError(f"activation_scale = {value!r} is not allowed; allowed: {allowed}")
     return "row"
