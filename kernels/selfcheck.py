@@ -53,11 +53,11 @@ def _default_ops() -> dict:
 
 
 def platform_choices() -> dict:
-    """The bit-relevant choices exact mode made for this platform (reported with every
-    self-check result: parity JSON, logs)."""
+    """The bit-relevant choices exact mode made for this platform (entries of the execution
+    contract, titan_rl/contract.py: parity JSON, metrics.jsonl, the report)."""
     from titan_rl.kernels.matmul import torch_impl as mm
 
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16_gemm": mm.BF16_GEMM,
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM, "bf16_gemm": mm.BF16_GEMM,
             "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
             "attention": "compiled, fixed order per row (kernels/csrc/paged_attention.cpp)",
             "elementwise": "compiled silu_mul; RoPE from a chunked table", "torch_threads": torch.get_num_threads()}

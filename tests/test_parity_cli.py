@@ -22,11 +22,14 @@ def test_parity_cli_exact_is_bitwise(tmp_path, capsys):
     assert r["full_vocab_max_abs_dlogp"] == 0.0 and r["full_vocab_positions"] == 16
     assert "max_abs_dlogp" in capsys.readouterr().out
     assert len(r["log_ratio"]) == 96 and set(r["log_ratio"]) == {0.0} and len(r["entropy"]) == 96
+    c = r["contract"]  # both sides' execution contracts, computed from what each holds
+    assert c["differs"] == [] and c["trainer"]["hash"] == c["engine"]["hash"]
+    assert c["engine"]["entries"]["dtype"] == "bfloat16" and c["engine"]["entries"]["kernels"] == "exact"
     from titan_rl.report import main as report_main
 
     assert report_main([str(out)]) == 0  # the report reads the per-token detail
     html = (tmp_path / "p.html").read_text()
-    assert "bitwise equal" in html
+    assert "bitwise equal" in html and "<h2>Execution contract</h2>" in html
 
 
 def test_parity_cli_bad_config_is_a_clear_error(capsys):

@@ -215,3 +215,59 @@ def test_rendering_is_deterministic(tmp_path):
         assert report.main([str(path), "--out", str(a)]) == 0
         assert report.main([str(path), "--out", str(b)]) == 0
         assert a.read_bytes() == b.read_bytes(), path
+
+
+ENTRIES = {"dtype": "float32", "kernels": "exact", "op.linear": "titan_rl.kernels.matmul.torch_impl.linear",
+           "tp_leaves": 0}
+
+
+def _with_contract(d, engine_entries=None):
+    path = d / "metrics.jsonl"
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+    for r in rows[2:]:  # the RL steps
+        r["contract"] = "c0ffee"
+    rows[2]["contract_entries"] = ENTRIES
+    if engine_entries is not None:
+        rows[2]["contract_engine_entries"] = engine_entries
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_run_folder_shows_the_contract(tmp_path):
+    d = _run_dir(tmp_path)
+    assert report.main([str(d)]) == 0
+    assert "No execution contract recorded" in (d / "report.html").read_text()
+    _with_contract(d)
+    assert report.main([str(d)]) == 0
+    text = (d / "report.html").read_text()
+    _self_contained(text)
+    assert "<h2>Execution contract</h2>" in text and "From step 3: <code>c0ffee</code>" in text
+    assert "<td><code>dtype</code></td><td>float32</td><td>float32</td>" in text
+    assert "<td><code>tp_leaves</code></td><td>0</td><td>0</td>" in text
+    assert "<span class='bad'>" not in text
+
+
+def test_run_folder_contract_marks_what_differs(tmp_path):
+    d = _run_dir(tmp_path)
+    _with_contract(d, {**ENTRIES, "op.linear": "vllm built-in Qwen3ForCausalLM"})
+    assert report.main([str(d)]) == 0
+    text = (d / "report.html").read_text()
+    assert ("<td><code>op.linear</code></td><td><span class='bad'>titan_rl.kernels.matmul.torch_impl.linear</span>"
+            "</td><td><span class='bad'>vllm built-in Qwen3ForCausalLM</span></td>") in text
+    assert "<td><code>dtype</code></td><td>float32</td><td>float32</td>" in text
+
+
+def test_parity_shows_each_engines_contract(tmp_path):
+    p = _parity(tmp_path, detail=False)
+    doc = json.loads(p.read_text())
+    stock_t, stock_e = {**ENTRIES, "op.linear": "torch.nn.functional.linear"}, {**ENTRIES, "op.linear": "vllm X"}
+    doc["results"][0]["contract"] = {"trainer": {"hash": "h1", "entries": ENTRIES},
+                                     "engine": {"hash": "h1", "entries": ENTRIES}, "differs": []}
+    doc["results"][1]["contract"] = {"trainer": {"hash": "h2", "entries": stock_t},
+                                     "engine": {"hash": "h3", "entries": stock_e}, "differs": ["op.linear"]}
+    p.write_text(json.dumps(doc))
+    assert report.main([str(p)]) == 0
+    text = (tmp_path / "p.html").read_text()
+    _self_contained(text)
+    assert "Engine <code>exact</code>: <span class='ok'>equal</span> (trainer <code>h1</code>" in text
+    assert "Engine <code>stock</code>: <span class='bad'>differs in op.linear</span>" in text
+    assert "<span class='bad'>vllm X</span>" in text

@@ -1,6 +1,7 @@
 """The RL trainer end to end on CPU (debug model, built-in task): mismatch 0 at every RL
 step, the weight checksum, kill -9 and resume == an uninterrupted run, config errors."""
 
+import hashlib
 import json
 import os
 import signal
@@ -53,6 +54,14 @@ def test_rl_run_has_zero_mismatch_and_equal_weights(uninterrupted):
         for key in ("reward_mean", "response_length", "loss", "grad_norm", "k3_mean", "mean_abs_dlogp",
                     "rollout_tokens_per_s", "train_tokens_per_s"):
             assert key in m
+    # the execution contract: its hash on every RL line, its entries on the first (titan_rl.contract)
+    from titan_rl.contract import canonical_json
+
+    assert len({m["contract"] for m in rl}) == 1 and not any("contract_differs" in m for m in rl)
+    entries = rl[0]["contract_entries"]
+    assert entries["kernels"] == "exact" and entries["dtype"] == "float32" and entries["selfcheck"] == "passed"
+    assert rl[0]["contract"] == hashlib.sha256(canonical_json(entries).encode()).hexdigest()
+    assert not any("contract_entries" in m for m in rl[1:])
     assert "rl   reward" in r.stdout  # the console progress line
     assert r.stderr.strip() == "", r.stderr  # known-harmless third-party noise is filtered
     lines = r.stdout.strip().splitlines()
@@ -193,6 +202,9 @@ def test_stock_mode_shows_the_mismatch_titan_rl_removes(tmp_path):
     rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
     assert max(m["max_abs_dlogp"] for m in rl) > 0.0 and min(m["bitwise_fraction"] for m in rl) < 1.0
     assert all(m["weights_checksum_equal"] is None for m in rl)
+    # the contract's op entries differ by design in stock mode: logged, not refused
+    assert all(m["contract_differs"] and all(n.startswith("op.") for n in m["contract_differs"]) for m in rl)
+    assert rl[0]["contract_engine_entries"]["kernels"] == rl[0]["contract_entries"]["kernels"] == "stock"
     assert max(m["max_abs_dlogp"] for m in rl) < 1e-3  # fp32: the same function, only rounding differs
 
 

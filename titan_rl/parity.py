@@ -12,7 +12,9 @@ stock: vLLM runs its built-in implementation of the architecture; the trainer si
        vLLM's built-in one on the same sampled tokens (the same function, up to rounding).
 Prompts have mixed lengths and requests join a running batch (continuous batching), so
 the sampler sees many batch compositions; the trainer rescoring groups the same
-sequences into batches of other sizes (parity.trainer_batch_sizes).
+sequences into batches of other sizes (parity.trainer_batch_sizes). Each engine result
+carries the execution contract of both sides (titan_rl.contract: hash, entries, the
+entries that differ).
 """
 
 from __future__ import annotations
@@ -149,6 +151,15 @@ def compare(rollout: Rollout, scores: Scores) -> dict:
     return out
 
 
+def contracts(trainer, llm) -> dict:
+    """Both sides' execution contracts (titan_rl.contract) and the entries that differ:
+    recorded, not refused, since parity is where a mismatch is measured."""
+    from titan_rl.contract import contract_of, diff, engine_contract
+
+    mine, engine = contract_of(trainer), engine_contract(llm)
+    return {"trainer": mine.record(), "engine": engine.record(), "differs": diff(mine, engine)}
+
+
 def spec_config(cfg, folder):
     with open(os.path.join(folder, "config.json")) as f:
         return get_architecture(cfg.model.name).config_from_hf(json.load(f))
@@ -177,7 +188,9 @@ def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=pr
         check_platform(dtype, head_dim=getattr(spec_config(cfg, folder), "head_dim", 128))
     trainer = load_hf_folder(folder, kernels=kernels, dtype=dtype, arch=cfg.model.name).eval()
     scores = rescore(trainer, rollout, cfg.parity.trainer_batch_sizes)
-    result = {"engine": kernels, **compare(rollout, scores)}
+    result = {"engine": kernels, **compare(rollout, scores), "contract": contracts(trainer, llm)}
+    differs = result["contract"]["differs"]
+    progress(f"[{kernels}] execution contract: " + (f"differs in {', '.join(differs)}" if differs else "equal"))
     if with_detail:
         result.update(detail(rollout, scores))
     if kernels == "stock":  # how far is our (exact) model from vLLM's built-in one?

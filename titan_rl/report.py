@@ -134,6 +134,39 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
     return out
 
 
+def contract_table(trainer: dict, engine: dict | None = None) -> str:
+    """The execution contract's entries (titan_rl.contract): one column per side, entries
+    that differ marked."""
+    engine = trainer if engine is None else engine
+    rows = []
+    for name in sorted(trainer.keys() | engine.keys()):
+        t, e = trainer.get(name), engine.get(name)
+        cells = [fmt(t), fmt(e)]
+        if t != e:
+            cells = [f"<span class='bad'>{c}</span>" for c in cells]
+        rows.append([f"<code>{_esc(name)}</code>", *cells])
+    return table(["entry", "trainer", "engine"], rows)
+
+
+CONTRACT_INTRO = ("<p>Every choice that decides a log-prob's bits (kernel per op and source hashes, kernel mode, "
+                  "dtype, tp_leaves, platform choices and thread count, self-check, package versions), as each "
+                  "side computes it. The trainer refuses to sample when the two differ; in stock mode the "
+                  "<code>op.*</code> entries differ by design.</p>")
+
+
+def run_contract(rows: list[dict]) -> list[str]:
+    """The contract entries logged in metrics.jsonl (first RL step, and every change)."""
+    logged = [r for r in rows if isinstance(r.get("contract_entries"), dict)]
+    if not logged:
+        return ["<h2>Execution contract</h2>", "<p class='missing'>No execution contract recorded in "
+                "metrics.jsonl (no RL step yet, or a run from before the contract existed).</p>"]
+    out = ["<h2>Execution contract</h2>", CONTRACT_INTRO]
+    for r in logged:
+        out.append(f"<h3>From step {fmt(r.get('step'))}: <code>{_esc(r.get('contract'))}</code></h3>")
+        out.append(contract_table(r["contract_entries"], r.get("contract_engine_entries")))
+    return out
+
+
 def _pts(rows, key, phase=None):
     return [(r["step"], r[key]) for r in rows if key in r and "step" in r and (phase is None or r.get("phase") == phase)]
 
@@ -179,7 +212,7 @@ def run_report(run_dir: str, rows: list[dict]) -> str:
              "<p>SFT warm-up steps have no sampler, so the mismatch and reward curves start at the first RL step. "
              "Mismatch curves use a log scale; steps where the value is exactly 0 sit on the band marked "
              "&ldquo;0 (bitwise)&rdquo;.</p>",
-             "<div class='charts'>", *charts, "</div>"]
+             "<div class='charts'>", *charts, "</div>", *run_contract(rows)]
     return page(f"titan_rl run report: {os.path.basename(os.path.abspath(run_dir))}", os.path.abspath(run_dir), body)
 
 
@@ -364,6 +397,16 @@ def parity_report(path: str, doc: dict) -> str:
                             "not recorded; rerun parity with --detail.</p>")
             continue
         body += detail_section(r, d)
+    contracts = [(e, r["contract"]) for e, r in zip(engines, results) if isinstance(r.get("contract"), dict)]
+    if contracts:
+        body += ["<h2>Execution contract</h2>", CONTRACT_INTRO]
+    for e, c in contracts:
+        differs = c.get("differs") or []
+        state = (f"<span class='bad'>differs in {_esc(', '.join(differs))}</span>" if differs
+                 else "<span class='ok'>equal</span>")
+        body += [f"<h3>Engine <code>{_esc(e)}</code>: {state} (trainer <code>{_esc(c['trainer']['hash'])}</code>, "
+                 f"engine <code>{_esc(c['engine']['hash'])}</code>)</h3>",
+                 contract_table(c["trainer"]["entries"], c["engine"]["entries"])]
     return page(f"titan_rl parity report: {os.path.basename(path)}", os.path.abspath(path), body)
 
 

@@ -12,8 +12,9 @@ step counter, DCP checkpoints, optimizer, LR schedule and metrics processor):
   3. trainer forward at the rollout's weights -> pi; mismatch pi vs mu is measured here,
      before any update (so it is engine-vs-trainer, not policy lag).
   4. `updates_per_batch` optimizer steps on the PG loss (ratio uses mu).
-  5. weight sync into the engine (prefix cache reset) and a checksum proving both hold
-     the same weights. Metrics: RUN_DIR/metrics.jsonl (one line per step).
+  5. weight sync into the engine (prefix cache reset), a checksum proving both hold
+     the same weights, and both sides' execution contracts compared (titan_rl.contract;
+     also before the first rollout). Metrics: RUN_DIR/metrics.jsonl (one line per step).
 The first `algorithm.sft_steps` steps are a supervised warm-up on the task's format.
 """
 

@@ -34,6 +34,7 @@ from titan_rl.algorithms import (
     PGLossConfig, apply_corrections, enabled, group_advantages, policy_gradient_loss,
     warning_if_exact,
 )
+from titan_rl import contract
 from titan_rl.checkpoint import checkpoint_fingerprint
 from titan_rl.config import Config
 from titan_rl.kernels import log_softmax_fp32
@@ -142,6 +143,10 @@ class RLTrainer(Trainer):
         # batch (their collectives are one computation), so seeds use the dp rank.
         self.dp_rank = self.parallel_dims.get_mesh("batch").get_local_rank() if self.parallel_dims.dp_enabled else 0
         self.engine = None
+        # (trainer side, engine side, entries allowed to differ) of the last contract check,
+        # and the last contract hash metrics.jsonl holds (its entries are written when it changes)
+        self._contract = None
+        self._logged_contract = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self._resumed_checked = False
         self.corrections = rl.correction
@@ -238,6 +243,39 @@ class RLTrainer(Trainer):
                                max_num_seqs=max(r.max_num_seqs, a.prompts_per_step * a.group_size),
                                enable_prefix_caching=r.enable_prefix_caching,
                                logprobs_mode="processed_logprobs")
+        self._check_contract("before the first rollout")
+
+    def _check_contract(self, when: str) -> None:
+        """The execution contract (titan_rl.contract) of the trainer's model against the
+        engine's, computed from what each side holds; all ranks stop together if one
+        refuses. The trainer computes in its FSDP mixed-precision dtype."""
+        mine = contract.contract_of(self.model, dtype=DTYPES[self.config.training.mixed_precision_param])
+        engine = contract.engine_contract(self.engine)
+        error, differs = None, []
+        try:
+            differs = contract.check(mine, engine, when=when)
+        except contract.ContractMismatch as e:
+            error = e
+        if self._all_max(1.0 if error else 0.0) > 0:
+            raise error or contract.ContractMismatch(
+                f"execution contract {when}: another rank's engine differs from its trainer (that rank names "
+                "the entries)")
+        self._contract = (mine, engine, differs)
+
+    def _contract_metrics(self) -> dict:
+        """The step line's contract: its hash on every RL line, its entries on the first and
+        whenever the hash changes; in stock mode also the engine's hash and the entries
+        that differ by design."""
+        mine, engine, differs = self._contract
+        m: dict = {"contract": mine.hash}
+        if differs:
+            m.update(contract_engine=engine.hash, contract_differs=differs)
+        if mine.hash != self._logged_contract:
+            m["contract_entries"] = mine.entries()
+            if differs:
+                m["contract_engine_entries"] = engine.entries()
+            self._logged_contract = mine.hash
+        return m
 
     def sync_weights(self) -> bool | None:
         """Trainer weights -> engine (prefix cache reset); returns checksum equality
@@ -246,6 +284,7 @@ class RLTrainer(Trainer):
 
         state = self._full_state()
         update_weights(self.engine, state)
+        self._check_contract(f"after the weight sync of step {self.step}")
         if self.rl.model.kernels == "stock":
             return None
         engine_state = {n: p.detach() for n, p in engine_model(self.engine).named_parameters() if n in state}
@@ -399,6 +438,7 @@ class RLTrainer(Trainer):
             "grad_norm": grad_norm,
             "clip_fraction": self._all_mean(stats["clip_fraction"]),
             "weights_checksum_equal": same,
+            **self._contract_metrics(),
             "rollout_tokens_per_s": n_tok / t_roll,
             **({"kept_set_bytes_per_token": rollout.kept_bytes / max(n_tok, 1)} if rollout.kept is not None else {}),
             "train_tokens_per_s": batch.numel() * a.updates_per_batch / t_train,
@@ -455,13 +495,16 @@ class RLTrainer(Trainer):
 
     # -- metrics -------------------------------------------------------------------------
     def _truncate_metrics(self):
-        """On resume, drop lines for steps the restored checkpoint has not reached."""
+        """On resume, drop lines for steps the restored checkpoint has not reached, and
+        remember the contract hash the kept lines end with."""
         if self.rank != 0 or not os.path.exists(self.metrics_path):
             return
         with open(self.metrics_path) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < self.step]
+            keep = [(ln, json.loads(ln)) for ln in f if ln.strip()]
+        keep = [(ln, m) for ln, m in keep if m["step"] < self.step]
+        self._logged_contract = next((m["contract"] for _, m in reversed(keep) if "contract" in m), None)
         with open(self.metrics_path, "w") as f:
-            f.writelines(keep)
+            f.writelines(ln for ln, _ in keep)
 
     def _log(self, m: dict) -> None:
         if self.rank != 0:

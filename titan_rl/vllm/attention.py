@@ -18,6 +18,10 @@ from titan_rl.kernels.attention.torch_impl import kv_cache_write
 
 
 class TitanAttentionImpl(CPUAttentionBackendImpl):
+    # The kernel forward() calls, named here so the execution contract (titan_rl.contract)
+    # reads the engine's attention from the object that runs it.
+    kernel = staticmethod(attention_paged)
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         n_pages, hkv, page, _ = kv_cache.shape
         n = slot_mapping.shape[0]
@@ -31,7 +35,7 @@ class TitanAttentionImpl(CPUAttentionBackendImpl):
             return output
         n = attn_metadata.num_actual_tokens
         n_pages, hkv, page, _ = kv_cache.shape
-        output[:n] = attention_paged(
+        output[:n] = self.kernel(
             query[:n], kv_cache.view(n_pages, hkv, 2, page, -1), attn_metadata.query_start_loc,
             attn_metadata.seq_lens, attn_metadata.block_table, self.scale,
         )

@@ -1,0 +1,183 @@
+"""The execution contract (titan_rl.contract): the same model gives the same hash, a
+deliberately changed entry is refused by name, the canonical JSON is stable, stock mode
+reports the op entries it differs in by design, and the trainer's check refuses a
+perturbed engine side. No vLLM: the engine side is built from the same pieces."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_rl import contract
+from titan_rl.contract import OPS, Contract, ContractMismatch, canonical_json, check, contract_of, diff
+from titan_rl.models import qwen3
+from titan_rl.registry import get_architecture
+from titan_rl.validation import RunStopped
+
+OP_ENTRIES = {f"op.{n}" for n in (*OPS, "attention", "fuse_same_input")}
+
+
+def _model(kernels="exact", **overrides):
+    return qwen3.build("debug", kernels, **overrides)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return contract_of(_model())
+
+
+def test_same_model_same_hash(base):
+    again = contract_of(_model())
+    assert again == base and again.hash == base.hash and diff(base, again) == [] and check(base, again) == []
+    # the engine builds the model from config.json: the same contract, tp_leaves included
+    spec = get_architecture("qwen3")
+    trainer = _model(tp_leaves=2)
+    engine = spec.build(spec.config_from_hf(trainer.cfg.hf_config()))
+    assert contract_of(engine) == contract_of(trainer)
+
+
+def test_entries_name_what_the_model_computes_with(base):
+    e = base.entries()
+    assert e["arch"] == "qwen3" and e["kernels"] == "exact" and e["dtype"] == "float32" and e["tp_leaves"] == 0
+    assert e["op.linear"] == "titan_rl.kernels.matmul.torch_impl.linear"
+    assert e["op.attention"] == "titan_rl.kernels.attention.torch_impl"
+    assert e["op.fuse_same_input"] is True
+    assert e["selfcheck"] == "passed" and e["platform.torch_threads"] == torch.get_num_threads()
+    assert e["gradient_leaves"] == "none" and e["quantization"] == "none"
+    assert e["version.torch"] == torch.__version__
+    assert all(e[f"version.{p}"] for p in contract.PACKAGES)
+    assert len(e["source.kernels"]) == len(e["source.csrc"]) == 64
+    assert base.hash == hashlib.sha256(canonical_json(e).encode()).hexdigest()
+    assert base.record() == {"hash": base.hash, "entries": e}
+
+
+def test_canonical_json_is_stable():
+    c = Contract(arch="qwen3", model_config="m", kernels="exact", dtype="float32", tp_leaves=2,
+                 ops={"linear": "f", "fuse_same_input": True}, sources={"kernels": "k"},
+                 platform={"torch_threads": 1}, selfcheck="passed", versions={"torch": "2"})
+    assert c.to_json() == (
+        '{"arch":"qwen3","dtype":"float32","gradient_leaves":"none","kernels":"exact","model_config":"m",'
+        '"op.fuse_same_input":true,"op.linear":"f","platform.torch_threads":1,"quantization":"none",'
+        '"selfcheck":"passed","source.kernels":"k","tp_leaves":2,"version.torch":"2"}')
+    assert c.hash == hashlib.sha256(c.to_json().encode()).hexdigest()
+    assert canonical_json({"b": 1, "a": "x"}) == canonical_json({"a": "x", "b": 1})
+    with pytest.raises(TypeError, match="'eps' = 1e-06"):
+        canonical_json({"eps": 1e-6})
+
+
+def test_hash_is_the_same_in_a_fresh_process(base):
+    code = ("import torch; torch.set_num_threads({}); from titan_rl.contract import contract_of; "
+            "from titan_rl.models import qwen3; print(contract_of(qwen3.build('debug')).hash)")
+    r = subprocess.run([sys.executable, "-c", code.format(torch.get_num_threads())], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONHASHSEED="123"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == base.hash
+
+
+def _refused(trainer_side, engine_side):
+    with pytest.raises(ContractMismatch) as e:
+        check(trainer_side, engine_side, when="before the first rollout")
+    return str(e.value)
+
+
+def test_dtype_is_refused_by_name(base):
+    engine = contract_of(_model(), dtype=torch.bfloat16)
+    assert diff(base, engine) == ["dtype"]
+    msg = _refused(base, engine)
+    assert "before the first rollout: trainer and engine differ in dtype (trainer 'float32', engine 'bfloat16')" in msg
+
+
+def test_tp_leaves_is_refused_by_name(base):
+    engine = contract_of(_model(tp_leaves=4))
+    assert diff(base, engine) == ["tp_leaves"]
+    assert "tp_leaves (trainer 0, engine 4)" in _refused(base, engine)
+
+
+def test_thread_count_is_refused_by_name(base):
+    old = torch.get_num_threads()
+    torch.set_num_threads(1 if old != 1 else 2)
+    try:
+        engine = contract_of(_model())
+    finally:
+        torch.set_num_threads(old)
+    assert diff(base, engine) == ["platform.torch_threads"]
+    assert "platform.torch_threads" in _refused(base, engine)
+
+
+@pytest.mark.parametrize("which", ["kernels", "csrc"])
+def test_a_changed_source_hash_is_refused_by_name(base, monkeypatch, which):
+    real = contract.kernel_sources()
+    monkeypatch.setattr(contract, "kernel_sources", lambda: {**real, which: "0" * 64})
+    engine = contract_of(_model())
+    assert diff(base, engine) == [f"source.{which}"]
+    assert f"source.{which} (trainer '{real[which]}', engine '{'0' * 64}')" in _refused(base, engine)
+
+
+def test_kernel_mode_is_refused_by_name(base):
+    assert diff(base, replace(base, kernels="stock")) == ["kernels"]
+    assert "kernels (trainer 'exact', engine 'stock')" in _refused(base, replace(base, kernels="stock"))
+    stock = contract_of(_model("stock"))  # a stock model also calls other functions
+    assert set(diff(base, stock)) == {"kernels", "selfcheck"} | OP_ENTRIES
+    _refused(base, stock)
+
+
+@pytest.mark.parametrize("entry, change", [
+    ("quantization", {"quantization": "int8"}),
+    ("gradient_leaves", {"gradient_leaves": "8"}),
+    ("model_config", {"model_config": "0" * 64}),
+    ("selfcheck", {"selfcheck": "failed: linear"}),
+])
+def test_other_entries_are_refused_by_name(base, entry, change):
+    assert diff(base, replace(base, **change)) == [entry]
+    assert f"differ in {entry} (" in _refused(base, replace(base, **change))
+
+
+def test_a_changed_version_is_refused_by_name(base):
+    engine = replace(base, versions={**base.versions, "vllm": "0.0.1"})
+    assert diff(base, engine) == ["version.vllm"]
+    assert "version.vllm" in _refused(base, engine)
+
+
+def test_stock_mode_reports_the_op_entries_and_refuses_the_rest():
+    trainer = contract_of(_model("stock"), dtype=torch.bfloat16)
+    assert trainer.kernels == "stock" and trainer.selfcheck == contract.STOCK_SELFCHECK and trainer.tp_leaves == 0
+    # the engine side of a stock engine: vLLM's built-in model, read from its HF config and parameters
+    hf = SimpleNamespace(architectures=["Qwen3ForCausalLM"], to_dict=lambda: _model().cfg.hf_config())
+    builtin = torch.nn.Linear(4, 4)
+    engine = contract._builtin_contract(SimpleNamespace(hf_config=hf, dtype=torch.bfloat16), builtin)
+    assert engine.ops["linear"] == "vllm built-in torch.nn.modules.linear.Linear"
+    assert check(trainer, engine) == sorted(OP_ENTRIES)
+    engine32 = contract._builtin_contract(SimpleNamespace(hf_config=hf, dtype=torch.float32), builtin)
+    msg = _refused(trainer, engine32)
+    assert "dtype (trainer 'bfloat16', engine 'float32')" in msg and "op.linear" not in msg
+
+
+def _trainer(model):
+    """An RLTrainer with only what its contract check reads (no TorchTitan, no engine)."""
+    from titan_rl.rl.trainer import RLTrainer
+
+    t = object.__new__(RLTrainer)
+    t.model_parts, t.world, t.engine, t._logged_contract = [model], 1, None, None
+    t.config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="float32"))
+    return t
+
+
+def test_trainer_logs_the_contract_and_refuses_a_perturbed_engine(monkeypatch):
+    model = _model()
+    t = _trainer(model)
+    monkeypatch.setattr(contract, "engine_contract", lambda llm: contract_of(model))
+    t._check_contract("before the first rollout")
+    first, second = t._contract_metrics(), t._contract_metrics()
+    assert first["contract"] == second["contract"] == contract_of(model).hash
+    assert first["contract_entries"] == contract_of(model).entries()  # entries when the hash changes only
+    assert "contract_entries" not in second and "contract_differs" not in first
+    monkeypatch.setattr(contract, "engine_contract", lambda llm: contract_of(_model(tp_leaves=2)))
+    with pytest.raises(ContractMismatch, match=r"after the weight sync of step 3: trainer and engine differ in "
+                                               r"tp_leaves \(trainer 0, engine 2\)\. The engine would not"):
+        t._check_contract("after the weight sync of step 3")
+    assert issubclass(ContractMismatch, RunStopped)  # titan_rl.train: one line, exit code 1

