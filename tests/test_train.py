@@ -112,18 +112,28 @@ def test_print_config_shows_every_section(capsys):
 
 @pytest.fixture(scope="module")
 def bf16_alone(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("bf16_alone")
-    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), *BF16_RL]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [m for m in _metrics(run_dir) if m["phase"] == "rl"]
+    """The RL metrics of a single-process BF16_RL run at a given model.tp_leaves (the leaf
+    tree is part of the model's arithmetic: a TP run compares with one at its own), run once."""
+    runs = {}
+
+    def get(tp_leaves: int = 0) -> list[dict]:
+        if tp_leaves not in runs:
+            run_dir = tmp_path_factory.mktemp(f"bf16_alone_leaves{tp_leaves}")
+            cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), *BF16_RL,
+                   f"--model.tp_leaves={tp_leaves}"]
+            r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            runs[tp_leaves] = [m for m in _metrics(run_dir) if m["phase"] == "rl"]
+        return runs[tp_leaves]
+
+    return get
 
 
 def test_single_process_bf16_rl_steps_have_zero_mismatch(bf16_alone):
     """A world of one in bf16: FSDP mixed precision on a 1-rank mesh (fp32 masters, bf16
     compute), as under torchrun; trainer and engine agree bitwise."""
-    assert len(bf16_alone) == 3
-    for m in bf16_alone:
+    assert len(bf16_alone()) == 3
+    for m in bf16_alone():
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"]
 
 
@@ -151,7 +161,7 @@ def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout, bf16_alo
     assert len(rl) == 3
     for m in rl:
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"]
-    first, alone = rl[0], bf16_alone[0]
+    first, alone = rl[0], bf16_alone(8 if layout == "tp2" else 0)[0]
     assert first["rollout_sha256"] == alone["rollout_sha256"]
     assert first["reward_mean"] == pytest.approx(alone["reward_mean"], rel=1e-6, abs=1e-9)
     assert first["loss"] == pytest.approx(alone["loss"], rel=1e-5, abs=1e-7)
