@@ -3,7 +3,10 @@ of every layout concatenate to the batch a world of one draws (prompts, supervis
 sampling seeds, rollout digests); the loss over shares sums to the global batch's; a batch
 the ranks cannot share equally is refused, naming the keys. Pure functions, no torchrun."""
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,3 +126,15 @@ def test_rollout_digests_are_per_request_and_see_every_bit():
     r2 = rewards.clone()
     r2[6] = torch.nextafter(r2[6], torch.tensor(2.0))
     assert (whole.digests(r2) != d).any(dim=1).tolist() == [i == 6 for i in range(7)]
+
+
+def test_the_command_line_refuses_it_at_start_in_one_line(tmp_path):
+    """`python -m titan_rl.train` checks the share before anything starts (WORLD_SIZE as
+    torchrun sets it): one line, exit code 2."""
+    env = dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / "run"),
+                        "--algorithm.prompts_per_step=3"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip() == ("config error: algorithm.prompts_per_step = 3 must be divisible by the data-parallel "
+                                "degree 2 (WORLD_SIZE = 2 / parallelism.tensor_parallel_degree = 1): it counts the "
+                                "whole step, and each data-parallel rank takes an equal share")
