@@ -18,6 +18,10 @@ from titan_rl import config  # noqa: E402
 SHORT = ["--training.steps=6", "--algorithm.sft_steps=2", "--algorithm.prompts_per_step=4",
          "--algorithm.group_size=4", "--algorithm.sft_batch=16", "--checkpoint.interval=2"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+# bf16, RL from the first step (an SFT step's gradient bits still depend on the layout):
+# alone and under torchrun, the first step samples the same global batch
+BF16_RL = ["--model.dtype=bfloat16", "--training.steps=3", "--lr_scheduler.warmup_steps=1", "--algorithm.sft_steps=0",
+           "--algorithm.prompts_per_step=2", "--algorithm.group_size=4", "--checkpoint.enable=false"]
 
 
 def _train(run_dir, extra=(), timeout=300):
@@ -52,7 +56,7 @@ def test_rl_run_has_zero_mismatch_and_equal_weights(uninterrupted):
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0, m
         assert m["weights_checksum_equal"] is True
         for key in ("reward_mean", "response_length", "loss", "grad_norm", "k3_mean", "mean_abs_dlogp",
-                    "rollout_tokens_per_s", "train_tokens_per_s"):
+                    "rollout_tokens_per_s", "train_tokens_per_s", "rollout_sha256"):
             assert key in m
     # the execution contract: its hash on every RL line, its entries on the first (titan_rl.contract)
     from titan_rl.contract import canonical_json
@@ -115,11 +119,40 @@ def test_print_config_shows_every_section(capsys):
     assert config.load(None, []).task.name == "digit_reverse"
 
 
+@pytest.fixture(scope="module")
+def bf16_alone(tmp_path_factory):
+    """The RL metrics of a single-process BF16_RL run at a given model.tp_leaves (the leaf
+    tree is part of the model's arithmetic: a TP run compares with one at its own), run once."""
+    runs = {}
+
+    def get(tp_leaves: int = 0) -> list[dict]:
+        if tp_leaves not in runs:
+            run_dir = tmp_path_factory.mktemp(f"bf16_alone_leaves{tp_leaves}")
+            cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), *BF16_RL,
+                   f"--model.tp_leaves={tp_leaves}"]
+            r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            runs[tp_leaves] = [m for m in _metrics(run_dir) if m["phase"] == "rl"]
+        return runs[tp_leaves]
+
+    return get
+
+
+def test_single_process_bf16_rl_steps_have_zero_mismatch(bf16_alone):
+    """A world of one in bf16: FSDP mixed precision on a 1-rank mesh (fp32 masters, bf16
+    compute), as under torchrun; trainer and engine agree bitwise."""
+    assert len(bf16_alone()) == 3
+    for m in bf16_alone():
+        assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"]
+
+
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
-def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout):
+def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout, bf16_alone):
     """2 ranks under torchrun (gloo), bf16: FSDP over both ranks (mixed precision), or
     TP=2 with a fixed leaf tree (model.tp_leaves); each rank's engine (TP=1) and the
-    sharded trainer agree bitwise at every RL step."""
+    sharded trainer agree bitwise at every RL step. The first step's global batch (its
+    tokens, mu and rewards) is the one a single process samples, bit for bit, and its
+    loss is the same global token mean up to the order of the sums."""
     import socket
 
     with socket.socket() as s:
@@ -127,10 +160,7 @@ def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout):
         port = s.getsockname()[1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
-           str(tmp_path), "--model.dtype=bfloat16", "--training.steps=4", "--lr_scheduler.warmup_steps=1",
-           "--algorithm.sft_steps=1",
-           "--algorithm.prompts_per_step=2", "--algorithm.group_size=4", "--algorithm.sft_batch=8",
-           "--checkpoint.enable=false"]
+           str(tmp_path), *BF16_RL]
     if layout == "tp2":
         cmd += ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
                 "--model.tp_leaves=8"]
@@ -140,11 +170,10 @@ def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout):
     assert len(rl) == 3
     for m in rl:
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"]
-
-
-def test_single_process_bf16_is_refused_with_a_reason(tmp_path):
-    r = _train(tmp_path, ["--model.dtype=bfloat16"], timeout=120)
-    assert r.returncode != 0 and "needs FSDP mixed precision" in (r.stdout + r.stderr)
+    first, alone = rl[0], bf16_alone(8 if layout == "tp2" else 0)[0]
+    assert first["rollout_sha256"] == alone["rollout_sha256"]
+    assert first["reward_mean"] == pytest.approx(alone["reward_mean"], rel=1e-6, abs=1e-9)
+    assert first["loss"] == pytest.approx(alone["loss"], rel=1e-5, abs=1e-7)
 
 
 def test_starts_from_a_local_hf_checkpoint_folder(tmp_path):

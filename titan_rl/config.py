@@ -90,13 +90,15 @@ class ParityConfig:
 @dataclass
 class AlgorithmConfig:
     group_size: int = 8
-    prompts_per_step: int = 8  # per rank
+    # the prompts of the whole step, over all ranks: each data-parallel rank takes an equal
+    # share, so it must be divisible by the data-parallel degree (titan_rl.rl.global_batch)
+    prompts_per_step: int = 8
     updates_per_batch: int = 1
     clip_eps: float = 0.2  # 0 = no PPO clipping
     advantage_scale: str = "std"
     loss_agg: str = "token_mean"
     sft_steps: int = 40  # supervised warm-up on the task's format before RL
-    sft_batch: int = 64
+    sft_batch: int = 64  # the pairs of a whole SFT step, shared like prompts_per_step
     rl_lr_scale: float = 0.1  # RL steps use optimizer.lr * rl_lr_scale (policy gradients are noisier than SFT)
     # a non-finite loss or grad norm: "stop" the run before the optimizer step (the weights
     # and the last checkpoint stay finite), or "skip" the step (counted in metrics.jsonl)

@@ -12,6 +12,7 @@ request i's sampled tokens are predicted at positions P_i - 1 .. P_i + R_i - 2.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,22 @@ class Rollout:
         for i, m in enumerate(self.mu):
             out[i, self.response_span(i)] = m.to(torch.float32)
         return out
+
+    def digests(self, rewards: torch.Tensor) -> torch.Tensor:
+        """uint8 [B, 32]: per request, the sha256 of its prompt, sampled tokens, mu (float64
+        bits) and reward (`rewards` [B], their bits). Digests are per request so that the
+        data-parallel shares of a global batch, concatenated in rank order, give the
+        world-of-one batch's digests whatever the layout."""
+        rows = []
+        for i in range(len(self)):
+            h = hashlib.sha256()
+            parts = (torch.tensor(self.prompts[i], dtype=torch.int64), torch.tensor(self.tokens[i], dtype=torch.int64),
+                     self.mu[i].to(torch.float64), rewards[i : i + 1])
+            for part in parts:
+                data = part.contiguous().numpy().tobytes()
+                h.update(len(data).to_bytes(8, "little") + data)
+            rows.append(torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8))
+        return torch.stack(rows) if rows else torch.zeros(0, 32, dtype=torch.uint8)
 
     def padded_routes(self) -> torch.Tensor:
         """int16 [B, L, layers, k]: the engine's experts per position, -1 where it computed

@@ -1,13 +1,15 @@
 """The RL trainer: TorchTitan trains, vLLM (in-process, same model definition) samples.
 
     python -m titan_rl.train --config train_configs/rl_debug.toml [--run-dir DIR] [--section.key=value ...]
-    torchrun --nproc_per_node=N -m titan_rl.train --config ... (FSDP over N ranks)
+    torchrun --nproc_per_node=N -m titan_rl.train --config ... (FSDP over N ranks: the same global batch)
     python -m titan_rl.train --config ... --print-config
 
 One step (RLTrainer.train_step, inside TorchTitan's Trainer.train loop, which owns the
 step counter, DCP checkpoints, optimizer, LR schedule and metrics processor):
-  1. rollout: this rank's prompts (a pure function of seed, step and rank), `group_size`
-     completions each, from the in-process vLLM engine; the sampler's log-probs are mu.
+  1. rollout: this data-parallel rank's share of the step's `prompts_per_step` prompts (a
+     pure function of seed and step; each completion's sampling seed one of its global
+     index), `group_size` completions each, from the in-process vLLM engine; the
+     sampler's log-probs are mu.
   2. rewards -> group-normalised advantages (GRPO).
   3. trainer forward at the rollout's weights -> pi; mismatch pi vs mu is measured here,
      before any update (so it is engine-vs-trainer, not policy lag).

@@ -18,6 +18,7 @@ import tomli
 
 from titan_rl import config as config_mod
 from titan_rl.checkpoint import CheckpointError
+from titan_rl.rl.global_batch import check_global_batch
 
 CONFIG_FILE = "config.toml"
 
@@ -148,10 +149,10 @@ def load_task_checked(cfg: config_mod.Config):
 
 
 def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
-    """A dry call of the task's prompt source for every step the run will take (prompts are
-    a pure function of (seed, step, rank), so these are the run's prompts), checked
+    """A dry call of the task's prompt source for every step the run will take (a step's
+    prompts are a pure function of (seed, step), so these are the run's prompts), checked
     against the model's vocabulary and rollout.max_model_len."""
-    from titan_rl.rl.seeds import step_seed
+    from titan_rl.rl.seeds import prompt_seed, sft_seed
 
     name, a, r = cfg.task.name, cfg.algorithm, cfg.rollout
     new = getattr(task, "max_new_tokens", None)
@@ -162,35 +163,31 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
         raise UserError(f"task {name!r} has no tokenizer with an int vocab_size")
     if tok.vocab_size > vocab_size:
         raise UserError(f"task {name!r} needs {tok.vocab_size} token ids; the model's vocab_size is {vocab_size}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks = range(max(world // cfg.parallelism.tensor_parallel_degree, 1))
-    steps = range(a.sft_steps + 1, cfg.training.steps + 1)
-    for step in steps:
-        for rank in ranks:
-            seed = step_seed(cfg.training.seed, 2, step, rank)
-            try:
-                examples = task.sample(a.prompts_per_step, seed=seed)
-            except Exception as e:
-                raise UserError(f"task {name!r}: sample({a.prompts_per_step}, seed={seed}) for step {step} raised "
-                                f"{type(e).__name__}: {e}") from None
-            if len(examples) != a.prompts_per_step:
-                raise UserError(f"task {name!r}: sample({a.prompts_per_step}, ...) returned {len(examples)} examples")
-            for i, ex in enumerate(examples):
-                ids = getattr(ex, "prompt_ids", None)
-                if not ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-                    raise UserError(f"task {name!r}: example {i} at step {step} has prompt_ids {ids!r}: need a "
-                                    f"non-empty list of ints in [0, {vocab_size})")
-                need = len(ids) + new
-                if need > r.max_model_len:
-                    text = getattr(ex, "prompt_text", "")
-                    raise UserError(
-                        f"task {name!r}: example {i} at RL step {step} ({text!r}) has a {len(ids)}-token prompt; "
-                        f"with the task's max_new_tokens = {new} it needs {need} positions > rollout.max_model_len "
-                        f"= {r.max_model_len}: raise rollout.max_model_len to >= {need} or shorten the prompts")
+    for step in range(a.sft_steps + 1, cfg.training.steps + 1):
+        seed = prompt_seed(cfg.training.seed, step)
+        try:
+            examples = task.sample(a.prompts_per_step, seed=seed)
+        except Exception as e:
+            raise UserError(f"task {name!r}: sample({a.prompts_per_step}, seed={seed}) for step {step} raised "
+                            f"{type(e).__name__}: {e}") from None
+        if len(examples) != a.prompts_per_step:
+            raise UserError(f"task {name!r}: sample({a.prompts_per_step}, ...) returned {len(examples)} examples")
+        for i, ex in enumerate(examples):
+            ids = getattr(ex, "prompt_ids", None)
+            if not ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+                raise UserError(f"task {name!r}: example {i} at step {step} has prompt_ids {ids!r}: need a "
+                                f"non-empty list of ints in [0, {vocab_size})")
+            need = len(ids) + new
+            if need > r.max_model_len:
+                text = getattr(ex, "prompt_text", "")
+                raise UserError(
+                    f"task {name!r}: example {i} at RL step {step} ({text!r}) has a {len(ids)}-token prompt; "
+                    f"with the task's max_new_tokens = {new} it needs {need} positions > rollout.max_model_len "
+                    f"= {r.max_model_len}: raise rollout.max_model_len to >= {need} or shorten the prompts")
     if a.sft_steps > 0:
         what = f"task {name!r}: sft_pairs(1, ...) (the supervised warm-up, algorithm.sft_steps = {a.sft_steps})"
         try:
-            pairs = task.sft_pairs(1, seed=step_seed(cfg.training.seed, 1, 1, 0))
+            pairs = task.sft_pairs(1, seed=sft_seed(cfg.training.seed, 1))
         except Exception as e:
             raise UserError(f"{what} raised {type(e).__name__}: {e}") from None
         ok = (isinstance(pairs, list) and len(pairs) == 1 and len(pairs[0]) == 2
@@ -232,10 +229,7 @@ def model_vocab(cfg: config_mod.Config) -> int:
 
 def preflight_train(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> tuple[object, dict]:
     """All start-up checks of `python -m titan_rl.train`. Returns (task, allowed config changes)."""
-    if cfg.model.dtype != "float32" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        raise UserError(
-            f"model.dtype = {cfg.model.dtype!r} needs FSDP mixed precision (torchrun with >1 rank) so the "
-            "trainer computes in the engine's dtype; use model.dtype = 'float32' for a single process")
+    check_global_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_run_dir(run_dir)
     task = load_task_checked(cfg)
     check_task(cfg, task, model_vocab(cfg))

@@ -86,6 +86,13 @@ def _check_inputs(logp, mu, advantages, mask, cfg: PGLossConfig) -> None:
             raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
 
 
+def loss_count(mask: torch.Tensor, agg: str) -> int:
+    """What :func:`policy_gradient_loss` divides by under `agg`: the valid tokens of `mask`
+    [B, T] (``token_mean``) or its sequences with at least one (``seq_mean``)."""
+    tokens_per_seq = mask.bool().sum(dim=1)
+    return int(tokens_per_seq.sum().item() if agg == "token_mean" else (tokens_per_seq > 0).sum().item())
+
+
 def policy_gradient_loss(
     logp: torch.Tensor,
     mu: torch.Tensor,
@@ -93,6 +100,7 @@ def policy_gradient_loss(
     mask: torch.Tensor,
     cfg: PGLossConfig,
     weights: torch.Tensor | None = None,
+    count: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped importance-sampled policy-gradient loss.
 
@@ -102,6 +110,10 @@ def policy_gradient_loss(
     mask: [B, T] bool or 0/1; True/1 marks a valid (loss-bearing) token.
     weights: optional [B, T] per-token factors (no gradient), e.g. truncated importance
         weights from titan_rl.algorithms.corrections; the objective is multiplied by them.
+    count: the aggregate's denominator (valid tokens for ``token_mean``, sequences with a
+        valid token for ``seq_mean``: :func:`loss_count`) over the whole global batch when
+        this call sees one data-parallel rank's share of it; the ranks' losses (and
+        gradients) then sum to the global batch's. ``None``: this call's own count.
 
     Per valid token: ``ratio = exp(logp - mu)`` and the objective is
     ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`` (``ratio * A`` without
@@ -140,12 +152,12 @@ def policy_gradient_loss(
     objective = torch.where(valid, objective, zero)
     tokens_per_seq = valid.sum(dim=1)
     n_tokens = int(tokens_per_seq.sum().item())
+    denominator = max(loss_count(valid, cfg.agg) if count is None else count, 1)
     if cfg.agg == "token_mean":
-        aggregated = objective.sum() / max(n_tokens, 1)
+        aggregated = objective.sum() / denominator
     else:  # "seq_mean"
         seq_means = objective.sum(dim=1) / tokens_per_seq.clamp(min=1)
-        n_seqs = int((tokens_per_seq > 0).sum().item())
-        aggregated = seq_means.sum() / max(n_seqs, 1)
+        aggregated = seq_means.sum() / denominator
     loss = -aggregated
 
     with torch.no_grad():

@@ -3,14 +3,17 @@
 TorchTitan owns: model build + parallelize (our ModelSpec), the optimizer and LR schedule
 objects, DCP checkpoints (save every `checkpoint.interval`, resume on relaunch), the step
 loop. We override `train_step`, and inside it clip gradients (`_optimizer_step`) and set
-the LR per phase (`_set_phase_lr`) ourselves. Everything random is a pure function of
-(training.seed, step, rank), so a run resumed from a checkpoint replays the same
-prompts and the same sampling seeds and logs the same metrics as an uninterrupted run.
+the LR per phase (`_set_phase_lr`) ourselves. A step's batch is global
+(titan_rl.rl.global_batch: each data-parallel rank takes its share) and everything random
+is a pure function of (training.seed, step, global index), never of the rank, so a run
+resumed from a checkpoint replays the same prompts and the same sampling seeds and logs
+the same metrics as an uninterrupted run, and every layout samples the same rollouts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -31,7 +34,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.trainer import Trainer
 
 from titan_rl.algorithms import (
-    PGLossConfig, apply_corrections, enabled, group_advantages, policy_gradient_loss,
+    PGLossConfig, apply_corrections, enabled, group_advantages, loss_count, policy_gradient_loss,
     warning_if_exact,
 )
 from titan_rl import contract
@@ -40,7 +43,8 @@ from titan_rl.config import Config
 from titan_rl.kernels import log_softmax_fp32
 from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, logprob_mismatch
 from titan_rl.registry import get_architecture
-from titan_rl.rl.seeds import step_seed
+from titan_rl.rl.global_batch import rank_share
+from titan_rl.rl.seeds import completion_seeds, prompt_seed, sft_seed
 from titan_rl.rollout import Rollout, pad_sequences, response_mask
 from titan_rl.tasks import load_task
 from titan_rl.validation import RunStopped, UserError, check_reward, latest_checkpoint_step
@@ -69,7 +73,7 @@ class _NullTokenizer(BaseTokenizer):
 
 
 class _StepLoader(BaseDataLoader):
-    """Never iterated: prompts are a pure function of (seed, step, rank)."""
+    """Never iterated: a step's prompts are a pure function of (seed, step)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
@@ -139,9 +143,11 @@ class RLTrainer(Trainer):
         super().__init__(config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        # Data comes per data-parallel rank: the TP ranks of one replica must see the same
-        # batch (their collectives are one computation), so seeds use the dp rank.
-        self.dp_rank = self.parallel_dims.get_mesh("batch").get_local_rank() if self.parallel_dims.dp_enabled else 0
+        # Each data-parallel rank takes its share of the global batch; the TP ranks of one
+        # replica take the same share (their collectives are one computation).
+        dp = self.parallel_dims.get_mesh("batch") if self.parallel_dims.dp_enabled else None
+        self.dp_rank, self.dp_degree = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
+        self.dp_group = dp.get_group() if dp is not None else None
         self.engine = None
         # (trainer side, engine side, entries allowed to differ) of the last contract check,
         # and the last contract hash metrics.jsonl holds (its entries are written when it changes)
@@ -221,6 +227,24 @@ class RLTrainer(Trainer):
         dist.all_reduce(t)
         return float(t) / self.world
 
+    def _dp_sum(self, x: float) -> float:
+        """The sum over data-parallel ranks (one value per share of the global batch)."""
+        if self.dp_degree == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t)
+
+    def _rollout_sha256(self, rollout: Rollout, rewards: torch.Tensor) -> str:
+        """sha256 over the per-request digests of the step's global batch, in global order:
+        equal across layouts exactly when every rank sampled the same tokens, mu and rewards."""
+        local = rollout.digests(rewards)
+        parts = [local]
+        if self.dp_degree > 1:
+            parts = [torch.empty_like(local) for _ in range(self.dp_degree)]
+            dist.all_gather(parts, local, group=self.dp_group)
+        return hashlib.sha256(torch.cat(parts).numpy().tobytes()).hexdigest()
+
     def _all_max(self, x: float) -> float:
         if self.world == 1:
             return x
@@ -240,7 +264,7 @@ class RLTrainer(Trainer):
         self.engine = make_llm(folder, arch=self.rl.model.name, kernels=self.rl.model.kernels,
                                dtype=self.rl.model.dtype, seed=self.rl.training.seed,
                                kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
-                               max_num_seqs=max(r.max_num_seqs, a.prompts_per_step * a.group_size),
+                               max_num_seqs=max(r.max_num_seqs, a.prompts_per_step // self.dp_degree * a.group_size),
                                enable_prefix_caching=r.enable_prefix_caching,
                                logprobs_mode="processed_logprobs")
         self._check_contract("before the first rollout")
@@ -323,34 +347,39 @@ class RLTrainer(Trainer):
 
     def _sft_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
-        pairs = self.task.sft_pairs(a.sft_batch, seed=step_seed(self.rl.training.seed, 1, self.step, self.dp_rank))
+        share = rank_share(a.sft_batch, self.dp_degree, self.dp_rank)
+        pairs = self.task.sft_pairs(a.sft_batch, seed=sft_seed(self.rl.training.seed, self.step))
+        pairs = pairs[share.start:share.stop]
         batch = pad_sequences([p + t for p, t in pairs], tok.pad_id)
         mask = response_mask([len(p) for p, _ in pairs], [len(t) for _, t in pairs], batch.shape[1] - 1)
         t0 = time.perf_counter()
         logp = self._token_logprobs(batch)
-        loss = -(logp * mask).sum() / mask.sum() + self._aux_loss()
+        # the token mean over the global batch: the ranks' losses and gradients sum to it
+        tokens = torch.tensor(self._dp_sum(float(mask.sum())), dtype=logp.dtype)
+        loss = -(logp * mask).sum() / tokens + self._aux_loss() / self.dp_degree
         loss.backward()
         grad_norm = self._optimizer_step(float(loss.detach()))
-        return {"phase": "sft", "loss": self._all_mean(float(loss.detach())), "grad_norm": grad_norm,
+        return {"phase": "sft", "loss": self._dp_sum(float(loss.detach())), "grad_norm": grad_norm,
                 "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
 
     def _rollout(self) -> tuple[list, Rollout, float]:
-        """Sample this step's prompts: (the task example of each request, the rollout,
-        seconds spent in generate)."""
+        """Sample this data-parallel rank's share of the step's global prompts: (the task
+        example of each request, the rollout, seconds spent in generate)."""
         from vllm import SamplingParams
 
         if self.engine is None:
             self._make_engine()
-        a, s = self.rl.algorithm, self.rl.sampling
-        examples = self.task.sample(a.prompts_per_step, seed=step_seed(self.rl.training.seed, 2, self.step, self.dp_rank))
+        a, s, seed = self.rl.algorithm, self.rl.sampling, self.rl.training.seed
+        share = rank_share(a.prompts_per_step, self.dp_degree, self.dp_rank)
+        examples = self.task.sample(a.prompts_per_step, seed=prompt_seed(seed, self.step))[share.start:share.stop]
+        seeds = iter(completion_seeds(seed, self.step, share, a.group_size))
         reqs, params = [], []
-        for i, ex in enumerate(examples):
-            for g in range(a.group_size):
+        for ex in examples:
+            for _ in range(a.group_size):
                 reqs.append({"prompt_token_ids": list(ex.prompt_ids)})
                 params.append(SamplingParams(
                     temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
-                    stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0,
-                    seed=step_seed(self.rl.training.seed, 3, self.step, self.dp_rank, i * a.group_size + g)))
+                    stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0, seed=next(seeds)))
         t0 = time.perf_counter()
         ks = rec = None
         with contextlib.ExitStack() as stack:
@@ -410,8 +439,10 @@ class RLTrainer(Trainer):
                 if enabled(self.corrections):
                     ref, weights, loss_mask, cstats = self._correct(logp.detach(), mu, mask, metrics)
                     metrics.update(cstats)
-            loss, stats = policy_gradient_loss(logp, ref, adv, loss_mask, loss_cfg, weights=weights)
-            loss = loss + self._aux_loss()
+            # the aggregate over the global batch: the ranks' losses and gradients sum to it
+            count = int(self._dp_sum(loss_count(loss_mask, a.loss_agg)))
+            loss, stats = policy_gradient_loss(logp, ref, adv, loss_mask, loss_cfg, weights=weights, count=count)
+            loss = loss + self._aux_loss() / self.dp_degree
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
                 metrics["policy_lag_log_ratio_abs_max"] = self._all_max(stats["log_ratio_abs_max"])
             t2 = time.perf_counter()
@@ -432,9 +463,10 @@ class RLTrainer(Trainer):
         n_tok = int(mask.sum())
         metrics.update({
             "phase": "rl",
+            "rollout_sha256": self._rollout_sha256(rollout, rewards),
             "reward_mean": self._all_mean(float(rewards.mean())),
             "response_length": self._all_mean(n_tok / B),
-            "loss": self._all_mean(float(loss.detach())),
+            "loss": self._dp_sum(float(loss.detach())),
             "grad_norm": grad_norm,
             "clip_fraction": self._all_mean(stats["clip_fraction"]),
             "weights_checksum_equal": same,
@@ -528,11 +560,9 @@ def run(cfg: Config, run_dir: str, task=None, config_changes=None) -> int:
     (titan_rl.validation) and passes the task they loaded and the allowed config changes."""
     from titan_rl.summary import summary_line
 
-    if cfg.model.dtype != "float32" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        raise UserError(
-            f"model.dtype = {cfg.model.dtype!r} needs FSDP mixed precision (torchrun with >1 rank) so the "
-            "trainer computes in the engine's dtype; use model.dtype = 'float32' for a single process")
-    if "LOCAL_RANK" not in os.environ:  # a plain `python -m titan_rl.train`: a world of one
+    # A plain `python -m titan_rl.train` is a world of one: TorchTitan keeps its FSDP mesh at
+    # size 1, so bf16 gets the same mixed-precision policy (fp32 masters) as under torchrun.
+    if "LOCAL_RANK" not in os.environ:
         import socket
 
         with socket.socket() as sock:

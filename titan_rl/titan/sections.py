@@ -90,7 +90,7 @@ REFUSED_KEYS: dict[str, str] = {
     "training.local_batch_size": "the RL loop sets its batches (algorithm.prompts_per_step x group_size, "
                                  "algorithm.sft_batch)",
     "training.global_batch_size": "the RL loop sets its batches (algorithm.prompts_per_step x group_size, "
-                                  "algorithm.sft_batch per data-parallel rank)",
+                                  "algorithm.sft_batch, global: each data-parallel rank takes its share)",
     "training.seq_len": "set from rollout.max_model_len",
     "training.mixed_precision_param": "set from model.dtype (the trainer computes in the rollout engine's dtype)",
     "training.dtype": "titan_rl keeps fp32 master weights; the compute dtype is model.dtype",

@@ -1,0 +1,140 @@
+"""The global batch (titan_rl.rl.global_batch, titan_rl.rl.seeds): the data-parallel shares
+of every layout concatenate to the batch a world of one draws (prompts, supervised pairs,
+sampling seeds, rollout digests); the loss over shares sums to the global batch's; a batch
+the ranks cannot share equally is refused, naming the keys. Pure functions, no torchrun."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from titan_rl import config
+from titan_rl.algorithms import PGLossConfig, loss_count, policy_gradient_loss
+from titan_rl.rl.global_batch import check_global_batch, data_parallel_degree, rank_share
+from titan_rl.rl.seeds import completion_seeds, prompt_seed, sft_seed
+from titan_rl.rollout import Rollout
+from titan_rl.tasks import load_task
+
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (4, 4)]  # (world, tensor_parallel_degree)
+
+
+def _rank_draws(world: int, tp: int, seed: int, step: int, prompts: int, group: int, sft: int):
+    """What each rank of the layout samples, in global rank order (TP innermost, as in
+    TorchTitan's mesh): (prompt texts, completion seeds, supervised pairs)."""
+    task = load_task("digit_reverse", min_len=2, max_len=7)
+    dp = data_parallel_degree(world, tp)
+    out = []
+    for rank in range(world):
+        dp_rank = rank // tp
+        share = rank_share(prompts, dp, dp_rank)
+        examples = task.sample(prompts, seed=prompt_seed(seed, step))[share.start:share.stop]
+        pairs_share = rank_share(sft, dp, dp_rank)
+        pairs = task.sft_pairs(sft, seed=sft_seed(seed, step))[pairs_share.start:pairs_share.stop]
+        out.append(([ex.prompt_text for ex in examples], completion_seeds(seed, step, share, group), pairs))
+    return out
+
+
+def test_shares_of_every_layout_concatenate_to_the_world_of_one_batch():
+    rng = random.Random()
+    seed, step = rng.randrange(2**31), rng.randrange(1, 10_000)
+    prompts, group, sft = 4 * rng.choice([1, 3, 5]), rng.choice([2, 3, 5]), 4 * rng.choice([1, 3, 7])
+    ((texts, seeds, pairs),) = _rank_draws(1, 1, seed, step, prompts, group, sft)
+    assert len(texts) == prompts and len(seeds) == prompts * group and len(pairs) == sft
+    assert len(set(seeds)) == len(seeds)  # every completion of the step draws its own stream
+    for world, tp in LAYOUTS:
+        draws = _rank_draws(world, tp, seed, step, prompts, group, sft)
+        groups = [draws[r:r + tp] for r in range(0, world, tp)]
+        for g in groups:  # the TP ranks of one data-parallel group sample the same share
+            assert all(d == g[0] for d in g), (world, tp)
+        firsts = [g[0] for g in groups]
+        assert sum((d[0] for d in firsts), []) == texts, (world, tp)
+        assert sum((d[1] for d in firsts), []) == seeds, (world, tp)
+        assert sum((d[2] for d in firsts), []) == pairs, (world, tp)
+    assert completion_seeds(seed, step + 1, range(prompts), group) != seeds
+
+
+def test_a_batch_the_ranks_cannot_share_is_refused_naming_the_keys():
+    cfg = config.load(None, ["--algorithm.prompts_per_step=6", "--algorithm.sft_batch=10"])
+    check_global_batch(cfg, 2)
+    with pytest.raises(config.ConfigError, match=r"algorithm.prompts_per_step = 6 must be divisible by the "
+                                                 r"data-parallel degree 4 \(WORLD_SIZE = 4 / "
+                                                 r"parallelism.tensor_parallel_degree = 1\)"):
+        check_global_batch(cfg, 4)
+    cfg = config.load(None, ["--algorithm.prompts_per_step=4", "--algorithm.sft_batch=10",
+                             "--parallelism.tensor_parallel_degree=2", "--model.tp_leaves=8"])
+    check_global_batch(cfg, 4)  # 2 data-parallel groups of 2 TP ranks
+    with pytest.raises(config.ConfigError, match=r"algorithm.sft_batch = 10 must be divisible by the data-parallel "
+                                                 r"degree 4 \(WORLD_SIZE = 8 / parallelism.tensor_parallel_degree = 2"):
+        check_global_batch(cfg, 8)
+    cfg = config.load(None, ["--algorithm.prompts_per_step=4", "--algorithm.sft_batch=10", "--algorithm.sft_steps=0"])
+    check_global_batch(cfg, 4)  # no SFT step: sft_batch is never drawn
+    with pytest.raises(ValueError, match="do not split"):
+        rank_share(5, 2, 0)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+def test_loss_over_shares_with_the_global_count_sums_to_the_global_loss(agg):
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    B, T = 6, 13
+    logp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    mu = logp.detach() + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[2] = False  # a sequence without a valid token
+    cfg = PGLossConfig(clip_eps=0.2, agg=agg)
+    whole, _ = policy_gradient_loss(logp, mu, adv, mask, cfg)
+    (grad_whole,) = torch.autograd.grad(whole, logp)
+    count = loss_count(mask, agg)
+    parts, grad = 0.0, torch.zeros_like(logp)
+    for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
+        part, _ = policy_gradient_loss(logp[rows], mu[rows], adv[rows], mask[rows], cfg, count=count)
+        parts = parts + part
+        grad += torch.autograd.grad(part, logp)[0]
+    torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_whole, rtol=1e-12, atol=1e-12)
+    local, _ = policy_gradient_loss(logp[:2], mu[:2], adv[:2], mask[:2], cfg)  # a share's own mean
+    assert not torch.allclose(local, policy_gradient_loss(logp[:2], mu[:2], adv[:2], mask[:2], cfg, count=count)[0])
+
+
+def _rollout(n: int, g: torch.Generator) -> Rollout:
+    prompts = [torch.randint(0, 19, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    tokens = [torch.randint(0, 19, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+              for _ in range(n)]
+    mu = [-torch.rand(len(t), generator=g, dtype=torch.float64) for t in tokens]
+    return Rollout([str(i) for i in range(n)], prompts, tokens, mu, [None] * n)
+
+
+def test_rollout_digests_are_per_request_and_see_every_bit():
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    whole = _rollout(7, g)
+    rewards = torch.rand(7, generator=g)
+    d = whole.digests(rewards)
+    assert d.shape == (7, 32) and d.dtype == torch.uint8
+    first = Rollout(whole.request_ids[:3], whole.prompts[:3], whole.tokens[:3], whole.mu[:3], whole.full[:3])
+    rest = Rollout(whole.request_ids[3:], whole.prompts[3:], whole.tokens[3:], whole.mu[3:], whole.full[3:])
+    assert torch.equal(torch.cat([first.digests(rewards[:3]), rest.digests(rewards[3:])]), d)
+    flipped = whole.mu[4].clone()
+    flipped.view(torch.int64)[0] ^= 1  # one bit of one sampler log-prob
+    changed = Rollout(whole.request_ids, whole.prompts, whole.tokens, whole.mu[:4] + [flipped] + whole.mu[5:],
+                      whole.full)
+    diff = (changed.digests(rewards) != d).any(dim=1)
+    assert diff.tolist() == [i == 4 for i in range(7)]
+    r2 = rewards.clone()
+    r2[6] = torch.nextafter(r2[6], torch.tensor(2.0))
+    assert (whole.digests(r2) != d).any(dim=1).tolist() == [i == 6 for i in range(7)]
+
+
+def test_the_command_line_refuses_it_at_start_in_one_line(tmp_path):
+    """`python -m titan_rl.train` checks the share before anything starts (WORLD_SIZE as
+    torchrun sets it): one line, exit code 2."""
+    env = dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / "run"),
+                        "--algorithm.prompts_per_step=3"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip() == ("config error: algorithm.prompts_per_step = 3 must be divisible by the data-parallel "
+                                "degree 2 (WORLD_SIZE = 2 / parallelism.tensor_parallel_degree = 1): it counts the "
+                                "whole step, and each data-parallel rank takes an equal share")
