@@ -19,10 +19,10 @@ import torch
 
 _SRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp", "elementwise.cpp", "rowwise.cpp")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
 # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run on one thread.
 # The process already has torch's libgomp.so.1 loaded, which the extension then shares.
-LDFLAGS = ["-fopenmp"]
+LDFLAGS = ("-fopenmp",)
 _loaded = False
 
 
@@ -41,9 +41,11 @@ def load(verbose: bool = False) -> None:
         return
     from torch.utils import cpp_extension
 
+    # Fresh lists: cpp_extension.load appends torch's own link flags to extra_ldflags in
+    # place, and the flags are part of the execution contract's source hash.
     cpp_extension.load(
-        name="titan_rl_cpu", sources=[str(_SRC / s) for s in SOURCES], extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS, extra_include_paths=[str(_SRC)], build_directory=str(build_dir()), is_python_module=False,
+        name="titan_rl_cpu", sources=[str(_SRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS), extra_include_paths=[str(_SRC)], build_directory=str(build_dir()), is_python_module=False,
         verbose=verbose,
     )
     _loaded = True

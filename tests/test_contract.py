@@ -4,6 +4,7 @@ reports the op entries it differs in by design, and the trainer's check refuses 
 perturbed engine side. No vLLM: the engine side is built from the same pieces."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -72,11 +73,11 @@ def test_canonical_json_is_stable():
 
 def test_hash_is_the_same_in_a_fresh_process(base):
     code = ("import torch; torch.set_num_threads({}); from titan_rl.contract import contract_of; "
-            "from titan_rl.models import qwen3; print(contract_of(qwen3.build('debug')).hash)")
+            "from titan_rl.models import qwen3; print(contract_of(qwen3.build('debug')).to_json())")
     r = subprocess.run([sys.executable, "-c", code.format(torch.get_num_threads())], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, PYTHONHASHSEED="123"))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split()[-1] == base.hash
+    assert json.loads(r.stdout.split("\n")[-2]) == json.loads(base.to_json())
 
 
 def _refused(trainer_side, engine_side):
