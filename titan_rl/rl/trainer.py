@@ -183,7 +183,7 @@ class RLTrainer(Trainer):
         total = torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads))
         # A NaN/inf here would reach every weight through the optimizer and be saved in
         # the next checkpoint; the loss is per rank, so the decision is taken by all ranks.
-        if self._all_max(0.0 if math.isfinite(loss) and bool(torch.isfinite(total)) else 1.0) > 0:
+        if self._reduce(0.0 if math.isfinite(loss) and bool(torch.isfinite(total)) else 1.0, "max") > 0:
             self.optimizers.zero_grad()
             what = f"non-finite loss {loss} / grad norm {float(total)} at step {self.step}"
             if self.rl.algorithm.on_nonfinite == "stop":
@@ -220,20 +220,15 @@ class RLTrainer(Trainer):
         logp = log_softmax_fp32(self.model(batch))
         return logp[:, :-1].gather(-1, batch[:, 1:, None])[..., 0]
 
-    def _all_mean(self, x: float) -> float:
-        if self.world == 1:
+    def _reduce(self, x: float, how: str, over_dp: bool = False) -> float:
+        """x combined over all ranks, or over the data-parallel ranks (one value per share
+        of the global batch; TP ranks of a replica hold the same one): "mean", "sum", "max"."""
+        group, n = (self.dp_group, self.dp_degree) if over_dp else (None, self.world)
+        if n == 1:
             return x
         t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t) / self.world
-
-    def _dp_sum(self, x: float) -> float:
-        """The sum over data-parallel ranks (one value per share of the global batch)."""
-        if self.dp_degree == 1:
-            return x
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, group=self.dp_group)
-        return float(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM, group=group)
+        return float(t) / n if how == "mean" else float(t)
 
     def _rollout_sha256(self, rollout: Rollout, rewards: torch.Tensor) -> str:
         """sha256 over the per-request digests of the step's global batch, in global order:
@@ -244,13 +239,6 @@ class RLTrainer(Trainer):
             parts = [torch.empty_like(local) for _ in range(self.dp_degree)]
             dist.all_gather(parts, local, group=self.dp_group)
         return hashlib.sha256(torch.cat(parts).numpy().tobytes()).hexdigest()
-
-    def _all_max(self, x: float) -> float:
-        if self.world == 1:
-            return x
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
 
     # -- engine ------------------------------------------------------------------------
     def _make_engine(self):
@@ -280,7 +268,7 @@ class RLTrainer(Trainer):
             differs = contract.check(mine, engine, when=when)
         except contract.ContractMismatch as e:
             error = e
-        if self._all_max(1.0 if error else 0.0) > 0:
+        if self._reduce(1.0 if error else 0.0, "max") > 0:
             raise error or contract.ContractMismatch(
                 f"execution contract {when}: another rank's engine differs from its trainer (that rank names "
                 "the entries)")
@@ -355,11 +343,11 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         logp = self._token_logprobs(batch)
         # the token mean over the global batch: the ranks' losses and gradients sum to it
-        tokens = torch.tensor(self._dp_sum(float(mask.sum())), dtype=logp.dtype)
+        tokens = torch.tensor(self._reduce(float(mask.sum()), "sum", over_dp=True), dtype=logp.dtype)
         loss = -(logp * mask).sum() / tokens + self._aux_loss() / self.dp_degree
         loss.backward()
         grad_norm = self._optimizer_step(float(loss.detach()))
-        return {"phase": "sft", "loss": self._dp_sum(float(loss.detach())), "grad_norm": grad_norm,
+        return {"phase": "sft", "loss": self._reduce(float(loss.detach()), "sum", over_dp=True), "grad_norm": grad_norm,
                 "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
 
     def _rollout(self) -> tuple[list, Rollout, float]:
@@ -440,11 +428,11 @@ class RLTrainer(Trainer):
                     ref, weights, loss_mask, cstats = self._correct(logp.detach(), mu, mask, metrics)
                     metrics.update(cstats)
             # the aggregate over the global batch: the ranks' losses and gradients sum to it
-            count = int(self._dp_sum(loss_count(loss_mask, a.loss_agg)))
+            count = int(self._reduce(loss_count(loss_mask, a.loss_agg), "sum", over_dp=True))
             loss, stats = policy_gradient_loss(logp, ref, adv, loss_mask, loss_cfg, weights=weights, count=count)
             loss = loss + self._aux_loss() / self.dp_degree
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
-                metrics["policy_lag_log_ratio_abs_max"] = self._all_max(stats["log_ratio_abs_max"])
+                metrics["policy_lag_log_ratio_abs_max"] = self._reduce(stats["log_ratio_abs_max"], "max")
             t2 = time.perf_counter()
             loss.backward()
             t3 = time.perf_counter()
@@ -454,7 +442,7 @@ class RLTrainer(Trainer):
             t["optimizer"] += time.perf_counter() - t3
         if self.is_moe:
             self.model.set_route_override(None)
-            metrics["aux_loss"] = self._all_mean(float(self.model.aux_loss.detach()))  # included in "loss"
+            metrics["aux_loss"] = self._reduce(float(self.model.aux_loss.detach()), "mean")  # included in "loss"
         t0 = time.perf_counter()
         same = self.sync_weights()
         t["weight_sync"] = time.perf_counter() - t0
@@ -464,11 +452,11 @@ class RLTrainer(Trainer):
         metrics.update({
             "phase": "rl",
             "rollout_sha256": self._rollout_sha256(rollout, rewards),
-            "reward_mean": self._all_mean(float(rewards.mean())),
-            "response_length": self._all_mean(n_tok / B),
-            "loss": self._dp_sum(float(loss.detach())),
+            "reward_mean": self._reduce(float(rewards.mean()), "mean"),
+            "response_length": self._reduce(n_tok / B, "mean"),
+            "loss": self._reduce(float(loss.detach()), "sum", over_dp=True),
             "grad_norm": grad_norm,
-            "clip_fraction": self._all_mean(stats["clip_fraction"]),
+            "clip_fraction": self._reduce(stats["clip_fraction"], "mean"),
             "weights_checksum_equal": same,
             **self._contract_metrics(),
             "rollout_tokens_per_s": n_tok / t_roll,
@@ -490,7 +478,7 @@ class RLTrainer(Trainer):
             except UserError as e:
                 error = e
                 break
-        if self._all_max(1.0 if error else 0.0) > 0:
+        if self._reduce(1.0 if error else 0.0, "max") > 0:
             raise error or UserError(f"step {self.step}: another rank's task returned a non-finite reward")
         return out
 
@@ -503,7 +491,7 @@ class RLTrainer(Trainer):
         if warning and not self._warned_exact and self.rank == 0:
             print(f"WARNING: {warning}", flush=True)
             self._warned_exact = True
-        cstats = {k: self._all_mean(v) for k, v in cstats.items()}
+        cstats = {k: self._reduce(v, "mean") for k, v in cstats.items()}
         return pi_old, weights, new_mask, cstats
 
     def _aux_loss(self):
@@ -518,12 +506,12 @@ class RLTrainer(Trainer):
         B, L = engine_routes.shape[:2]
         own = torch.stack(self.model.last_own_routes, 1).view(B, L, *engine_routes.shape[2:])
         valid = engine_routes[:, :, 0, 0] >= 0
-        return self._all_mean(expert_disagreement(engine_routes[valid], own[valid]))
+        return self._reduce(expert_disagreement(engine_routes[valid], own[valid]), "mean")
 
     def _mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
         """titan_rl.metrics.logprob_mismatch of this rank's tokens, combined over ranks."""
         m = logprob_mismatch(pi, mu)
-        return {k: (self._all_max if how == "max" else self._all_mean)(m[k]) for k, how in STEP_MISMATCH.items()}
+        return {k: self._reduce(m[k], how) for k, how in STEP_MISMATCH.items()}
 
     # -- metrics -------------------------------------------------------------------------
     def _truncate_metrics(self):
