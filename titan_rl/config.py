@@ -4,7 +4,7 @@ Every section is a dataclass: titan_rl's own (model, sampling, rollout, parity, 
 correction, task, quantization) and TorchTitan's own Config classes under their TorchTitan names
 (training, optimizer, lr_scheduler, parallelism, checkpoint, metrics, ...; see
 titan_rl.titan.sections). An unknown section or key, a wrong type, a value outside its
-allowed set (a Literal type or `_choices`) or a key titan_rl refuses is a ConfigError
+allowed set (a Literal type) or a key titan_rl refuses is a ConfigError
 naming the key, the value, what is allowed (or why not) and the nearest valid key.
 Overrides use `--section.key=value` (TOML value syntax).
 """
@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from typing import Literal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,15 +41,13 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "qwen3"
     flavor: str = "debug"
-    dtype: str = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     checkpoint: str = ""  # local HF folder (config.json + *.safetensors); "" = random weights
     seed: int = 0  # random-weight seed
     init_std: float = 0.02
     tp_leaves: int = 0  # >0: fixed leaf tree for TP-invariant linears (8 covers TP 1/2/4/8)
     # "stock": plain torch trainer + vLLM's built-in engine (to measure what exactness removes)
     kernels: KernelMode = "exact"
-
-    _choices = {"dtype": ("bfloat16", "float32")}
 
 
 @dataclass
@@ -57,9 +56,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 64
-    mask_mode: str = "recompute"  # RL: how the trainer gets the sampler's kept set ("recompute" | "replay")
-
-    _choices = {"mask_mode": ("recompute", "replay")}
+    mask_mode: Literal["recompute", "replay"] = "recompute"  # RL: how the trainer gets the sampler's kept set
 
 
 @dataclass
@@ -71,9 +68,7 @@ class RolloutConfig:
     max_model_len: int = 1024
     # MoE models: "off" = the trainer's router chooses (expert_disagreement is measured),
     # "replay" = the trainer uses exactly the experts the sampler recorded.
-    router_replay: str = "off"
-
-    _choices = {"router_replay": ("off", "replay")}
+    router_replay: Literal["off", "replay"] = "off"
 
 
 @dataclass
@@ -95,17 +90,14 @@ class AlgorithmConfig:
     prompts_per_step: int = 8
     updates_per_batch: int = 1
     clip_eps: float = 0.2  # 0 = no PPO clipping
-    advantage_scale: str = "std"
-    loss_agg: str = "token_mean"
+    advantage_scale: Literal["std", "none"] = "std"
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     sft_steps: int = 40  # supervised warm-up on the task's format before RL
     sft_batch: int = 64  # the pairs of a whole SFT step, shared like prompts_per_step
     rl_lr_scale: float = 0.1  # RL steps use optimizer.lr * rl_lr_scale (policy gradients are noisier than SFT)
     # a non-finite loss or grad norm: "stop" the run before the optimizer step (the weights
     # and the last checkpoint stay finite), or "skip" the step (counted in metrics.jsonl)
-    on_nonfinite: str = "stop"
-
-    _choices = {"advantage_scale": ("std", "none"), "loss_agg": ("token_mean", "seq_mean"),
-                "on_nonfinite": ("stop", "skip")}
+    on_nonfinite: Literal["stop", "skip"] = "stop"
 
 
 @dataclass
@@ -216,7 +208,6 @@ def _check_type(path: str, value, tp):
 def _fill(obj, section: str, table: dict) -> None:
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj) if f"{section}.{f.name}" not in REFUSED_KEYS]
-    choices = getattr(type(obj), "_choices", {})
     for key, value in table.items():
         path = f"{section}.{key}"
         if path in REFUSED_KEYS:
@@ -226,8 +217,6 @@ def _fill(obj, section: str, table: dict) -> None:
         if key not in names:
             raise ConfigError(f"unknown key {path!r} (value {value!r}); allowed in [{section}]: {names}{_nearest(key, names)}")
         value = _check_type(path, value, hints[key])
-        if key in choices and value not in choices[key]:
-            raise ConfigError(f"{path} = {value!r} is not allowed; allowed: {list(choices[key])}")
         setattr(obj, key, value)
 
 

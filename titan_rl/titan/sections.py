@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
@@ -38,13 +38,11 @@ class OptimizerConfig(OptimizersContainer.Config):
     (ParamGroupConfig's optimizer_name, torch.optim's kwarg names): the group every
     parameter not matched by `param_groups` falls into."""
 
-    optimizer_name: str = "AdamW"
+    optimizer_name: Literal["AdamW", "Adam"] = "AdamW"
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.0
-
-    _choices = {"optimizer_name": ("AdamW", "Adam")}
 
     def catch_all(self) -> ParamGroupConfig:
         return ParamGroupConfig(pattern=r".*", optimizer_name=self.optimizer_name, optimizer_kwargs={
@@ -56,9 +54,7 @@ class ActivationCheckpointConfig(FullAC.Config):
     """`mode` picks TorchTitan's activation-checkpointing class; the other keys are that
     class's fields."""
 
-    mode: str = "none"
-
-    _choices = {"mode": ("none", "full", "selective", "memory_budget")}
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
 
 
 # section -> a factory of its default: TorchTitan's class, with titan_rl's defaults where they
