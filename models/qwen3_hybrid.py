@@ -45,7 +45,14 @@ alone, so both engines give each token the same bits.
 `kernels="stock"`: plain torch (F.linear, elementwise ops without lane_stable, a plain
 L2 norm) and the chunkwise-parallel `gdn_chunked` (GEMMs, not bitwise equal to the
 recurrent form); the causal conv stays the kernels' (already plain elementwise torch).
-Tensor parallelism (tp_leaves, TP) is not supported for this architecture.
+
+Tensor parallelism: `tp_leaves = L > 0` computes in_proj_qkvz / in_proj_ba as L column
+blocks and out_proj as L K-leaves, like qwen3's linears. Both projections are laid out
+per key head and out_proj reads the value heads in order, so a TP rank holding whole key
+heads holds contiguous rows of them and a contiguous K-share of out_proj
+(titan_rl/titan/parallelize.py); every other GDN op is per head and elementwise.
+`head_params()` is the one place the layer reads its per-head parameters, so a TP rank
+can give it its own heads' share.
 """
 
 from __future__ import annotations
@@ -102,6 +109,12 @@ class Qwen3HybridConfig(Qwen3Config):
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
 
+    @property
+    def linear_qkvz_dim(self) -> int:
+        """Output width of in_proj_qkvz: q, k, v and z of all heads."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            2 * self.linear_num_value_heads * self.linear_value_head_dim
+
     def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per-sequence state of one GDN layer: conv [C, K-1], recurrent [Hv, dk, dv] (both fp32)."""
         return ((self.linear_conv_dim, self.linear_conv_kernel_dim - 1),
@@ -132,9 +145,17 @@ class Qwen3HybridConfig(Qwen3Config):
                 f"model.full_attention_interval = {k} must be in 2..num_hidden_layers ({n}): the hybrid needs "
                 "at least one GDN layer and one full-attention layer (layer i is full attention when "
                 "(i + 1) % full_attention_interval == 0)")
-        if self.tp_leaves:
-            raise ValueError(f"model.tp_leaves = {self.tp_leaves} is not supported for qwen3_hybrid; allowed: 0 "
-                             "(tensor parallelism is not implemented for GDN layers)")
+        L = self.tp_leaves
+        if L:
+            widths = {
+                "in_proj_qkvz (2*linear_num_key_heads*linear_key_head_dim + "
+                "2*linear_num_value_heads*linear_value_head_dim)": self.linear_qkvz_dim,
+                "in_proj_ba (2*linear_num_value_heads)": 2 * hv,
+                "linear_num_value_heads*linear_value_head_dim": hv * self.linear_value_head_dim,
+            }
+            for name, n in widths.items():
+                if n % L:
+                    raise ValueError(f"model.tp_leaves = {L} must divide {name} = {n}")
         return self
 
     # -- config.json -------------------------------------------------------------------------
@@ -215,27 +236,26 @@ class FreshState:
 # -- the GDN layer -----------------------------------------------------------------------------
 
 class CausalConv1d(nn.Module):
-    """Depthwise causal conv, no bias; weight [C, 1, K] as nn.Conv1d(groups=C) stores it."""
+    """The depthwise causal conv's weight (no bias), [C, 1, K] as nn.Conv1d(groups=C)
+    stores it; GatedDeltaNet calls the kernel with it (through head_params)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
 
-    def forward(self, x, cu_seqlens, initial_state):
-        return causal_conv1d(x, self.weight, cu_seqlens, initial_state)
-
 
 class GatedRMSNorm(nn.Module):
     """rmsnorm(x) * weight (kernels.rms_norm, rounded to x's dtype), times silu(z) in fp32,
-    rounded to x's dtype (Qwen3-Next's RMSNormGated)."""
+    rounded to x's dtype (Qwen3-Next's RMSNormGated). `weight`: the one to compute with
+    (GatedDeltaNet.head_params)."""
 
     def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.ops = eps, ops
 
-    def forward(self, x, z):
-        y = self.ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x, z, weight: torch.Tensor):
+        y = self.ops.rms_norm(x, weight, self.eps)
         return (y.float() * self.ops.gdn_elementwise(F.silu, z.float())).to(x.dtype)
 
 
@@ -247,13 +267,19 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.r = self.hv // self.hk
         e = cfg.hidden_size
-        self.in_proj_qkvz = Linear(e, 2 * self.hk * self.dk + 2 * self.hv * self.dv, ops, "col")
+        self.in_proj_qkvz = Linear(e, cfg.linear_qkvz_dim, ops, "col")
         self.in_proj_ba = Linear(e, 2 * self.hv, ops, "col")
         self.conv1d = CausalConv1d(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, ops)
         self.out_proj = Linear(self.hv * self.dv, e, ops, "row")
+
+    def head_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv weight, A_log, dt_bias, norm weight) for the heads this layer computes
+        (self.hk key heads, self.hv value heads): here all of them; a tensor-parallel rank
+        gives its own heads' share (titan_rl/titan/parallelize.py)."""
+        return self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight
 
     def forward(self, x, state: LinearState):
         T = x.shape[0]
@@ -265,8 +291,9 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x[:n]).view(n, hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(n, hk * dk), k.reshape(n, hk * dk), v.reshape(n, hv * dv)], dim=-1)
 
+        conv_w, A_log, dt_bias, norm_w = self.head_params()
         conv0, rec0 = state.initial(self.layer_idx)
-        y, conv1 = self.conv1d(mixed, cu, conv0)
+        y, conv1 = causal_conv1d(mixed, conv_w, cu, conv0)
         ops = self.ops
         y = ops.gdn_elementwise(F.silu, y).to(mixed.dtype)  # lane_stable computes in fp32
         q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
@@ -274,12 +301,12 @@ class GatedDeltaNet(nn.Module):
         k = ops.gdn_l2norm(k.reshape(n, hk, dk))
         v = v.reshape(n, hv, dv)
         beta = ops.gdn_elementwise(torch.sigmoid, b.reshape(n, hv).float())
-        decay = ops.gdn_elementwise(torch.exp, self.A_log.float())
-        g = -decay * ops.gdn_elementwise(F.softplus, a.reshape(n, hv).float() + self.dt_bias.float())
+        decay = ops.gdn_elementwise(torch.exp, A_log.float())
+        g = -decay * ops.gdn_elementwise(F.softplus, a.reshape(n, hv).float() + dt_bias.float())
         o, rec1 = ops.gdn_recurrence(q, k, v, g, beta, cu, rec0, scale=1.0 / math.sqrt(dk))
         state.store(self.layer_idx, conv1, rec1)
 
-        o = self.norm(o, z.reshape(n, hv, dv))
+        o = self.norm(o, z.reshape(n, hv, dv), norm_w)
         out = self.out_proj(o.reshape(n, hv * dv))
         if n < T:  # padding rows of the engine's stream
             out = torch.cat([out, out.new_zeros(T - n, out.shape[1])])

@@ -1,7 +1,8 @@
 """Worker for tests/test_titan_parallel.py, run as
     torchrun --nproc_per_node=N tests/_titan_parallel_worker.py MODE OUT.json
 MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2), tp_moe (MoE at TP = world),
-trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data).
+tp_hybrid (the GDN hybrid at TP = world), trainer (torchtitan's own Trainer with our ModelSpec,
+FSDP = world, synthetic data). TITAN_TEST_SEED (env): the token seed of tp_hybrid.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
 the same tokens is the reference. Rank 0 writes the results as JSON; each check is a
@@ -271,6 +272,83 @@ def run_tp_moe(res: dict) -> None:
     m.set_route_override(None)
 
 
+def hybrid_config(tp_leaves: int):
+    """A small hybrid with odd-ish sizes: hidden 200, vocab 997, 3 value heads per key head,
+    dk != dv, conv kernel 3, layers GDN / attention / GDN."""
+    from titan_rl.models.qwen3_hybrid import Qwen3HybridConfig
+
+    return Qwen3HybridConfig(
+        vocab_size=997, hidden_size=200, intermediate_size=328, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=16,
+        linear_conv_kernel_dim=3, full_attention_interval=2, tp_leaves=tp_leaves)
+
+
+def run_tp_hybrid(res: dict) -> None:
+    """The GDN hybrid (tp_leaves = 4) at TP = world vs TitanModel at TP = 1 and vs the model
+    file built directly (= the rollout engine's model), fp32 and bf16, on several batch
+    compositions; the meta-init order; gradients through the sharded GDN close to TP = 1."""
+    from titan_rl.models import qwen3_hybrid
+
+    pd = parallel_dims(1, dist.get_world_size())
+    cfg = hybrid_config(4)
+    seed = int(os.environ.get("TITAN_TEST_SEED", "7"))
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, cfg.vocab_size, shape, generator=g) for shape in ((3, 37), (1, 61), (5, 9))]
+
+    def titan(meta: bool = False):
+        mc = model_config("qwen3_hybrid", "debug_hybrid", "exact", model_config=cfg, init_seed=SEED, init_std=0.05)
+        if meta:
+            with torch.device("meta"):
+                return mc.build()
+        return mc.build().init_weights()
+
+    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        ref = titan().to(dtype)
+        direct = qwen3_hybrid.build(cfg)
+        direct.load_state_dict(ref.state_dict())
+        direct.to(dtype)
+        m = titan().to(dtype)
+        parallelize_qwen3(m, parallel_dims=pd)
+        eq_ref, eq_direct, diff = True, True, 0.0
+        with torch.no_grad():
+            for tok in batches:
+                want, got, file_ = ref(tok), m(tok), direct(tok)
+                eq_ref &= torch.equal(got, want)
+                eq_direct &= torch.equal(want, file_)
+                diff = max(diff, maxdiff(got, want))
+        res[f"hybrid_tp_{tag}_forward_equal"] = eq_ref
+        res[f"hybrid_tp_{tag}_forward_maxdiff"] = diff
+        res[f"hybrid_tp_{tag}_vs_model_file_equal"] = eq_direct
+    gdn = m.model.layers[0].linear_attn
+    res["hybrid_tp_local_heads"] = [gdn.hk, gdn.hv, int(gdn.in_proj_qkvz.weight.to_local().shape[0])]
+
+    # the Trainer's order: meta build -> parallelize -> to_empty -> init_weights
+    mm = titan(meta=True)
+    parallelize_qwen3(mm, parallel_dims=pd)
+    mm.to_empty(device="cpu")
+    mm.init_weights()
+    ref = titan()
+    with torch.no_grad():
+        res["hybrid_tp_meta_init_forward_equal"] = all(torch.equal(mm(t), ref(t)) for t in batches)
+
+    # backward through the sharded GDN (sliced conv / A_log / dt_bias, gated norm, copy_to_tp)
+    tok = batches[0]
+    n_tok = tok[:, 1:].numel()
+    (ce_loss_sum(mm(tok), tok) / n_tok).backward()
+    (ce_loss_sum(ref(tok), tok) / n_tok).backward()
+    gdiff, gscale, missing = 0.0, 0.0, []
+    for (name, p), q in zip(mm.named_parameters(), ref.parameters()):
+        if p.grad is None:
+            missing.append(name)
+            continue
+        gdiff = max(gdiff, maxdiff(full(p.grad), q.grad))
+        gscale = max(gscale, q.grad.abs().max().item())
+    res["hybrid_tp_grad_maxdiff"] = gdiff
+    res["hybrid_tp_grad_scale"] = gscale
+    res["hybrid_tp_grad_missing"] = missing
+
+
 # -- torchtitan's Trainer end to end (synthetic tokenizer and data: no downloads) ---------
 
 def run_trainer(res: dict) -> None:
@@ -398,6 +476,8 @@ def main() -> int:
             run_tp(res, dp_shard=2)
         elif mode == "tp_moe":
             run_tp_moe(res)
+        elif mode == "tp_hybrid":
+            run_tp_hybrid(res)
         else:
             raise ValueError(mode)
     except Exception:

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -172,7 +173,9 @@ def test_flavors_and_names():
     (dict(linear_conv_kernel_dim=1), r"model.linear_conv_kernel_dim = 1 is not supported; allowed: 2..8"),
     (dict(full_attention_interval=1), r"model.full_attention_interval = 1 must be in 2..num_hidden_layers \(4\)"),
     (dict(full_attention_interval=8), r"model.full_attention_interval = 8 must be in 2..num_hidden_layers"),
-    (dict(tp_leaves=4), r"model.tp_leaves = 4 is not supported for qwen3_hybrid; allowed: 0"),
+    (dict(tp_leaves=16), r"model.tp_leaves = 16 must divide in_proj_ba \(2\*linear_num_value_heads\) = 8"),
+    (dict(tp_leaves=64, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=1,
+          linear_num_value_heads=2), r"model.tp_leaves = 64 must divide in_proj_qkvz .* = 96"),
     (dict(linear_num_key_heads=0), r"model.linear_num_key_heads = 0 must be >= 1"),
 ])
 def test_bad_config_errors_name_the_key(overrides, match):
@@ -189,14 +192,10 @@ def test_other_errors():
         Qwen3HybridConfig.from_hf(bad)
     with pytest.raises(ValueError, match="layer_types"):
         Qwen3HybridConfig.from_hf(dict(d, layer_types=["linear_attention"] * 4))
-    from titan_rl.titan.spec import model_spec
+    from titan_rl.titan.parallelize import check_tp_degree
 
-    class TwoWayTP:
-        tp, tp_enabled = 2, True
-
-    with pytest.raises(ValueError, match=r"parallelism.tensor_parallel_degree = 2 is not supported for "
-                                         r"architecture 'qwen3_hybrid'"):
-        model_spec("qwen3_hybrid", "debug_hybrid").parallelize_fn(build("debug_hybrid"), parallel_dims=TwoWayTP())
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree = 2 must divide .*linear_num_key_heads \(1\)"):
+        check_tp_degree(replace(FLAVORS["debug_hybrid"], linear_num_key_heads=1), 2, 8)
 
 
 def test_config_accepts_the_hybrid():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from titan_rl.models import qwen3, qwen3_hybrid, qwen3_moe
-from titan_rl.registry import ArchitectureSpec, architecture_of, get_architecture
+from titan_rl.registry import BY_LINEAR_KIND, ArchitectureSpec, architecture_of, get_architecture
 from titan_rl.titan.parallelize import layer_tp_plan
 from titan_rl.titan.spec import model_config
 
@@ -18,8 +18,7 @@ def test_the_builtins_say_what_they_are():
     dense, moe, hybrid = (get_architecture(n) for n in ("qwen3", "qwen3_moe", "qwen3_hybrid"))
     assert (dense.moe, dense.recurrent_state, dense.tp_plan is not None) == (False, False, True)
     assert (moe.moe, moe.recurrent_state, moe.tp_plan is not None) == (True, False, True)
-    assert (hybrid.moe, hybrid.recurrent_state, hybrid.tp_plan) == (False, True, None)
-    assert "GDN recurrent state" in hybrid.no_tp_reason
+    assert (hybrid.moe, hybrid.recurrent_state, hybrid.tp_plan) == (False, True, BY_LINEAR_KIND)
 
 
 def test_architecture_of_plain_and_titan_built_models():
@@ -44,6 +43,13 @@ def test_tp_plan_from_linear_kinds():
         + [f"mlp.experts.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj")])
     assert sorted(moe["rowwise"]) == sorted(["self_attn.o_proj"] + [f"mlp.experts.{e}.down_proj" for e in range(n)])
     assert "mlp.gate" not in moe["colwise"] + moe["rowwise"]  # the router stays replicated
+    assert dense["heads"] == moe["heads"] == ["self_attn"]
+    hybrid = qwen3_hybrid.build("debug_hybrid").model.layers
+    gdn, full = layer_tp_plan(hybrid[0]), layer_tp_plan(hybrid[3])
+    assert sorted(gdn["colwise"]) == sorted(["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
+                                             "mlp.gate_proj", "mlp.up_proj"])
+    assert sorted(gdn["rowwise"]) == ["linear_attn.out_proj", "mlp.down_proj"]
+    assert (gdn["heads"], full["heads"]) == (["linear_attn"], ["self_attn"])
 
 
 def test_a_spec_without_tp_must_say_why():

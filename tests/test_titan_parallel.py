@@ -7,6 +7,8 @@ Exactness claimed and checked with torch.equal:
   * TP = 2 and FSDP = 2 x TP = 2 with tp_leaves = 8 (fixed column blocks and K-leaf
     tree), vs the model file built directly from the same config (Qwen3Config.tp_leaves
     = 8: what the rollout engine builds) and vs TitanModel at TP = 1 (fp32 and bf16).
+  * the GDN hybrid at TP = 2 (tp_leaves = 4) vs TitanModel at TP = 1 and the model file
+    (fp32 and bf16), three batch compositions of fresh tokens.
 Not exact, and asserted as such: TP with tp_leaves = 0 (all-reduce of rank partials) is
 within 1e-4 of the model file's forward. Gradients/steps are compared with tolerances
 (their reduction order differs; only the forward must be bitwise).
@@ -27,8 +29,8 @@ WORKER = ROOT / "tests" / "_titan_parallel_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def _run_once(mode: str, nproc: int, out: Path, timeout: int):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _run_once(mode: str, nproc: int, out: Path, timeout: int, env_extra: dict | None = None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
     cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(WORKER), mode, str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     res = json.loads(out.read_text()) if out.exists() else {}
@@ -41,15 +43,15 @@ def _died_by_signal(proc, res: dict) -> bool:
     return proc.returncode != 0 and "error" not in res and "(SIGABRT)" in (proc.stderr or "")
 
 
-def launch(mode: str, nproc: int, tmp_path, timeout: int = 110) -> dict:
+def launch(mode: str, nproc: int, tmp_path, timeout: int = 110, env_extra: dict | None = None) -> dict:
     out = tmp_path / f"{mode}.json"
-    proc, res = _run_once(mode, nproc, out, timeout)
+    proc, res = _run_once(mode, nproc, out, timeout, env_extra)
     if _died_by_signal(proc, res):
         # One retry, for a crash in the process-group runtime only: a worker that reports a
         # Python error or writes wrong results is never retried.
         print(f"worker {mode}: a rank died by SIGABRT with no Python error; retrying once", file=sys.stderr)
         out.unlink(missing_ok=True)
-        proc, res = _run_once(mode, nproc, out, timeout)
+        proc, res = _run_once(mode, nproc, out, timeout, env_extra)
     if proc.returncode != 0 or "error" in res:
         tail = (proc.stderr or "")[-4000:]
         pytest.fail(f"worker {mode} failed (rc={proc.returncode}):\n{res.get('error', '')}\n{tail}")
@@ -92,6 +94,24 @@ def test_tp2_moe_forward_and_routes_are_bitwise(tmp_path):
         assert r[f"moe_tp_{tag}_routes_equal"]
         assert r[f"moe_tp_{tag}_distinct_routes"] > 2  # routing varies, so equality means something
     assert r["moe_tp_replay_forced"]
+
+
+def test_tp2_hybrid_forward_is_bitwise(tmp_path):
+    """The GDN hybrid at TP = 2 (heads sharded: q/k/v/z/b/a column blocks, conv channels and
+    per-head parameters sliced, out_proj through the K-leaf tree) == TitanModel at TP = 1
+    == the model file the rollout engine builds, fp32 and bf16, fresh tokens in three batch
+    compositions (odd sizes: hidden 200, vocab 997, 3 value heads per key head)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"token seed={seed}")
+    r = launch("tp_hybrid", 2, tmp_path, env_extra={"TITAN_TEST_SEED": str(seed)})
+    assert r["hybrid_tp_local_heads"] == [1, 3, 160]  # a rank computes 1 key head, 3 value heads
+    for tag in ("fp32", "bf16"):
+        assert r[f"hybrid_tp_{tag}_forward_equal"], r[f"hybrid_tp_{tag}_forward_maxdiff"]
+        assert r[f"hybrid_tp_{tag}_vs_model_file_equal"]
+    assert r["hybrid_tp_meta_init_forward_equal"]
+    # every parameter gets a gradient, close to TP = 1's (the reduction order differs)
+    assert r["hybrid_tp_grad_missing"] == []
+    assert r["hybrid_tp_grad_maxdiff"] < 1e-5 * max(1.0, r["hybrid_tp_grad_scale"])
 
 
 def _check_tp(r: dict) -> None:

@@ -133,7 +133,5 @@ def _register_builtins() -> None:
         vllm_architecture="TitanQwen3HybridForCausalLM",
         hf_architecture="TitanQwen3HybridForCausalLM",  # no stock implementation with these weights
         vllm_class="titan_rl.vllm.hybrid:TitanHybridForCausalLM",
-        tp_plan=None,
-        no_tp_reason="GDN recurrent state is not sharded",
         recurrent_state=True,
     ))

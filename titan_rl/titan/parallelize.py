@@ -21,10 +21,17 @@ Exactness, layout by layout (torch.equal of the forward logits vs one process):
         all_gather, the same fixed tree on every rank;
       - attention runs on the rank's heads (the fixed-block attention kernel does not
         depend on the number of heads in the call);
+      - GDN (qwen3_hybrid) runs on the rank's key heads and their value heads: in_proj_qkvz
+        / in_proj_ba are laid out per key head (column-parallel = whole key heads per
+        rank), out_proj is row-parallel over the value heads; conv, gates, L2 norms and
+        the recurrence are per head and elementwise, so a head's bits do not depend on
+        how many heads a call holds. The small per-head parameters (conv weight, A_log,
+        dt_bias) stay replicated and each rank takes its heads' slice (`GdnHeads`);
     exact for TP = 1, 2, ..., L. With tp_leaves = 0: one GEMM per rank + all-reduce:
     close (~1e-6 in fp32), not bitwise.
-  * q_norm / k_norm (per-head RMSNorm) see only the rank's heads: their replicated
-    weight's gradient is all-reduced over TP (HeadNorm); the forward is unchanged.
+  * q_norm / k_norm (per-head RMSNorm), GDN's gated norm and its sliced per-head
+    parameters see only the rank's heads: their replicated weights' gradients are
+    all-reduced over TP (HeadNorm, GdnHeads: copy_to_tp); the forward is unchanged.
   * Embedding, final norm and LM head are replicated under TP (the LM head is not
     vocab-parallel yet: every TP rank computes the full logits).
 """
@@ -40,7 +47,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_rl.kernels import linear as exact_linear
-from titan_rl.models.qwen3 import Linear
+from titan_rl.models.qwen3 import Attention, Linear
+from titan_rl.models.qwen3_hybrid import GatedDeltaNet
 from titan_rl.registry import ArchitectureSpec, architecture_of, get_architecture
 from titan_rl.titan import cpu_compat
 from titan_rl.titan.tp_linear import _AllReduceSum, column_parallel_linear, copy_to_tp, row_parallel_linear
@@ -60,22 +68,25 @@ def layer_tp_plan(layer: nn.Module) -> dict[str, list[str]]:
     reduction dim K split). With tp_leaves > 0 the model file itself computes both kinds
     as fixed-shape pieces (kernels.linear_n_blocks / linear_k_leaves) and the sharded
     layers compute the same pieces (titan_rl.titan.tp_linear). "plain" Linears (an MoE
-    router gate: every rank routes the same tokens identically) stay replicated."""
-    plan: dict[str, list[str]] = {"colwise": [], "rowwise": []}
+    router gate: every rank routes the same tokens identically) stay replicated.
+    "heads": the token mixers (qwen3 Attention, GDN) whose heads the column split gives
+    each rank; a rank computes its own heads (`shard_heads`)."""
+    plan: dict[str, list[str]] = {"colwise": [], "rowwise": [], "heads": []}
     for path, mod in layer.named_modules():
         if isinstance(mod, Linear) and mod.kind != "plain":
             plan["colwise" if mod.kind == "col" else "rowwise"].append(path)
+        elif isinstance(mod, (Attention, GatedDeltaNet)):
+            plan["heads"].append(path)
     return plan
 
 
 def check_tp_degree(cfg, tp: int, tp_leaves: int) -> None:
-    h = getattr(cfg, "num_attention_heads", None)
-    hkv = getattr(cfg, "num_key_value_heads", None)
-    if h is not None and (h % tp or hkv % tp):
-        raise ValueError(
-            f"tensor_parallel_degree = {tp} must divide num_attention_heads ({h}) and "
-            f"num_key_value_heads ({hkv})"
-        )
+    heads = {key: getattr(cfg, key) for key in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads")
+             if getattr(cfg, key, None) is not None}
+    bad = {key: n for key, n in heads.items() if n % tp}
+    if bad:
+        raise ValueError(f"tensor_parallel_degree = {tp} must divide " +
+                         " and ".join(f"{key} ({n})" for key, n in heads.items()))
     if tp_leaves and tp_leaves % tp:
         raise ValueError(f"tensor_parallel_degree = {tp} must divide tp_leaves = {tp_leaves}")
 
@@ -149,6 +160,50 @@ class HeadNorm(nn.Module):
         return self.ops.rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
 
 
+class GdnHeads(nn.Module):
+    """Re-classing mixin for a GDN layer under TP: its projections are sharded by whole
+    key heads (rank r: key heads [r*hk/t, (r+1)*hk/t) and their value heads), so the
+    layer's per-head parameters are this rank's share of the replicated conv weight,
+    A_log and dt_bias (`gdn_rank_share`); the gated norm's weight is shared by all heads.
+    Each passes through copy_to_tp: identity forward, all-reduce of the ranks' partial
+    gradients backward (the HeadNorm rule)."""
+
+    tp_group = None
+    tp_channels: torch.Tensor | None = None
+    tp_value_heads: slice = slice(None)
+
+    def head_params(self):
+        g = self.tp_group
+        heads = self.tp_value_heads
+        return (copy_to_tp(self.conv1d.weight, g)[self.tp_channels], copy_to_tp(self.A_log, g)[heads],
+                copy_to_tp(self.dt_bias, g)[heads], copy_to_tp(self.norm.weight, g))
+
+
+def gdn_rank_share(hk: int, hv: int, dk: int, dv: int, rank: int, tp: int) -> tuple[torch.Tensor, slice]:
+    """TP rank `rank` of `tp`'s share of a GDN layer: (indices of its conv channels in
+    the [q | k | v] layout of all heads, its value heads)."""
+    hk_r, hv_r = hk // tp, hv // tp
+    q = torch.arange(rank * hk_r * dk, (rank + 1) * hk_r * dk)
+    v = torch.arange(rank * hv_r * dv, (rank + 1) * hv_r * dv)
+    return torch.cat([q, hk * dk + q, 2 * hk * dk + v]), slice(rank * hv_r, (rank + 1) * hv_r)
+
+
+def shard_heads(mixer: nn.Module, group) -> None:
+    """Make a token mixer (qwen3 Attention or a GDN layer) compute this TP rank's heads
+    (its projections are sharded by `apply_tp`)."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if isinstance(mixer, GatedDeltaNet):
+        mixer.tp_channels, mixer.tp_value_heads = gdn_rank_share(mixer.hk, mixer.hv, mixer.dk, mixer.dv, rank, tp)
+        reclass(mixer, GdnHeads)
+        mixer.tp_group = group
+        mixer.hk, mixer.hv = mixer.hk // tp, mixer.hv // tp
+        return
+    for norm in (mixer.q_norm, mixer.k_norm):
+        reclass(norm, HeadNorm)
+        norm.tp_group = group
+    mixer.h, mixer.hkv = mixer.h // tp, mixer.hkv // tp
+
+
 def _local(w):
     return w.to_local() if isinstance(w, DTensor) else w
 
@@ -207,11 +262,8 @@ def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
             _shard_param(lin, "weight", tp_mesh, 1)
             reclass(lin, RowwiseLinear)
             lin.tp_group, lin.tp_leaves = group, tp_leaves
-        attn = layer.self_attn
-        for norm in (attn.q_norm, attn.k_norm):
-            reclass(norm, HeadNorm)
-            norm.tp_group = group
-        attn.h, attn.hkv = attn.h // tp, attn.hkv // tp  # this rank's heads
+        for path in plan["heads"]:
+            shard_heads(layer.get_submodule(path), group)
 
 
 # -- activation checkpointing ------------------------------------------------------------
