@@ -170,3 +170,42 @@ def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
             logp = log_softmax_fp32(trainer(torch.tensor([p + toks])))[0]
         pi = logp[len(p) - 1: len(p) - 1 + len(toks)].gather(-1, torch.tensor(toks)[:, None])[:, 0].double()
         assert torch.equal(pi, mu), (pi - mu).abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
+    """The GDN hybrid with tp_leaves = 4 (the odd-sized model of the TP = 2 test in
+    tests/test_titan_parallel.py, whose model file equals TP = 2): vLLM's hybrid wrapper at
+    TP = 1, built from config.json, records the trainer's log-probs bit for bit, with
+    chunked prefill cutting the longer prompts."""
+    pytest.importorskip("vllm")
+    from _titan_parallel_worker import hybrid_config
+    from vllm import SamplingParams
+
+    from titan_rl.checkpoint import save_hf_folder
+    from titan_rl.models import qwen3_hybrid
+    from titan_rl.vllm.engine import engine_model, make_llm
+
+    seed = _fresh_seed()
+    trainer = qwen3_hybrid.build(hybrid_config(L)).init_weights(seed, 0.05).to(DTYPES[dtype]).eval()
+    folder = str(tmp_path / "w")
+    save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
+    llm = make_llm(folder, arch="qwen3_hybrid", dtype=dtype, kv_cache_mib=64, max_model_len=256, max_num_seqs=8,
+                   max_num_batched_tokens=48, enable_prefix_caching=False)
+    try:
+        assert engine_model(llm).cfg.tp_leaves == L
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(2, trainer.cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 2, 90, 57, 7)]
+        params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        del llm
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        assert len(toks) == 8
+        mu = torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float64)
+        with torch.no_grad():
+            logp = log_softmax_fp32(trainer(torch.tensor([p + toks])))[0]
+        pi = logp[len(p) - 1: len(p) - 1 + len(toks)].gather(-1, torch.tensor(toks)[:, None])[:, 0].double()
+        assert torch.equal(pi, mu), (pi - mu).abs().max()
