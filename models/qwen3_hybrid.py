@@ -115,10 +115,11 @@ class Qwen3HybridConfig(Qwen3Config):
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             2 * self.linear_num_value_heads * self.linear_value_head_dim
 
-    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        """Per-sequence state of one GDN layer: conv [C, K-1], recurrent [Hv, dk, dv] (both fp32)."""
-        return ((self.linear_conv_dim, self.linear_conv_kernel_dim - 1),
-                (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim))
+    def linear_state_shapes(self, tp: int = 1) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """Per-sequence state of one GDN layer: conv [C, K-1], recurrent [Hv, dk, dv] (both
+        fp32); `tp` > 1: one tensor-parallel rank's share (its heads' channels and heads)."""
+        return ((self.linear_conv_dim // tp, self.linear_conv_kernel_dim - 1),
+                (self.linear_num_value_heads // tp, self.linear_key_head_dim, self.linear_value_head_dim))
 
     def validate(self) -> "Qwen3HybridConfig":
         super().validate()

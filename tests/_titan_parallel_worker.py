@@ -1,7 +1,8 @@
 """Worker for tests/test_titan_parallel.py, run as
     torchrun --nproc_per_node=N tests/_titan_parallel_worker.py MODE OUT.json
 MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2), tp_moe (MoE at TP = world),
-tp_hybrid (the GDN hybrid at TP = world), trainer (torchtitan's own Trainer with our ModelSpec,
+tp_hybrid (the GDN hybrid at TP = world), engine_tp (vLLM at tensor_parallel_size = world
+vs the trainer at TP = world), trainer (torchtitan's own Trainer with our ModelSpec,
 FSDP = world, synthetic data). TITAN_TEST_SEED (env): the token seed of tp_hybrid.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
@@ -11,6 +12,7 @@ boolean or a number the test asserts on.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -349,6 +351,89 @@ def run_tp_hybrid(res: dict) -> None:
     res["hybrid_tp_grad_missing"] = missing
 
 
+def run_engine_tp(res: dict, out_dir: str) -> None:
+    """vLLM at tensor_parallel_size = world (external launcher: one engine rank per
+    process) on the dense debug model and the odd-sized hybrid, both with tp_leaves = 4:
+    the recorded log-probs == the model file's (= engine TP = 1, tests/test_tp_leaves.py)
+    == the trainer at TP = world, bit for bit, fp32 and bf16; after a weight update too."""
+    from dataclasses import replace as dc_replace
+
+    import titan_rl.vllm  # noqa: F401  (vLLM's environment, before vllm is imported)
+    from titan_rl.checkpoint import save_hf_folder
+    from titan_rl.kernels import log_softmax_fp32
+    from titan_rl.models import qwen3, qwen3_hybrid
+    from titan_rl.vllm.engine import engine_model, make_llm, update_weights
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pd = parallel_dims(1, world)
+    seed = int(os.environ.get("TITAN_TEST_SEED", "7"))
+    engines = []
+    cases = {
+        "dense": ("qwen3", dc_replace(qwen3.FLAVORS["debug"], tp_leaves=4), qwen3.build),
+        "hybrid": ("qwen3_hybrid", hybrid_config(4), qwen3_hybrid.build),
+    }
+    dtypes = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
+    for tag, (arch, cfg, build_file) in cases.items():
+        for dname, (dtype, dstr) in dtypes.items():
+            key = f"engine_tp_{tag}_{dname}"
+            t0 = time.time()
+            folder = os.path.join(out_dir, key)
+            file_model = build_file(cfg).init_weights(seed, 0.05).to(dtype).eval()
+            if rank == 0:
+                save_hf_folder(file_model, folder, dtype=dtype)
+            dist.barrier()
+            trainer = model_config(arch, "debug", "exact", model_config=cfg).build().to(dtype)
+            parallelize_qwen3(trainer, parallel_dims=pd)
+            load_full_state_dict(trainer, file_model.state_dict())
+            llm = make_llm(folder, arch=arch, dtype=dstr, kv_cache_mib=32, max_model_len=256, max_num_seqs=8,
+                           max_num_batched_tokens=48, enable_prefix_caching=False, seed=seed,
+                           tensor_parallel_size=world)
+            net = engine_model(llm)
+            engines.append(llm)
+            q_proj = next(m for name, m in net.named_modules() if name.endswith("self_attn.q_proj"))
+            res[f"{key}_local_q_rows"] = int(q_proj.weight.shape[0])
+            g = torch.Generator().manual_seed(seed)
+            prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 2, 90, 57, 7)]
+            for step in ("initial", "updated"):
+                if step == "updated":  # the trainer's full state dict into every rank's engine
+                    with torch.no_grad():
+                        for p in file_model.parameters():
+                            p.add_(0.02 * torch.randn(p.shape, generator=g).to(dtype))
+                    load_full_state_dict(trainer, file_model.state_dict())  # each rank its shards
+                    update_weights(llm, file_model.state_dict())
+                mus = _engine_logprobs(llm, prompts)
+                equal, diff = True, 0.0
+                with torch.no_grad():
+                    for p, (toks, mu) in zip(prompts, mus):
+                        for model in (file_model, trainer):
+                            logp = log_softmax_fp32(model(torch.tensor([p + toks])))[0]
+                            pi = logp[len(p) - 1: len(p) - 1 + len(toks)].gather(-1, torch.tensor(toks)[:, None])
+                            pi = pi[:, 0].double()
+                            equal &= torch.equal(pi, mu)
+                            diff = max(diff, (pi - mu).abs().max().item())
+                res[f"{key}_{step}_equal"] = equal
+                res[f"{key}_{step}_maxdiff"] = diff
+                res[f"{key}_{step}_tokens"] = sum(len(t) for t, _ in mus)
+            res[f"{key}_seconds"] = round(time.time() - t0, 1)
+    # vLLM 0.32's engine shutdown tears down torch.distributed (EngineCore.shutdown ->
+    # cleanup_dist_env_and_memory), so the engines go last, all at once.
+    engines.clear()
+    gc.collect()
+
+
+def _engine_logprobs(llm, prompts):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        res.append((toks, torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float64)))
+    return res
+
+
 # -- torchtitan's Trainer end to end (synthetic tokenizer and data: no downloads) ---------
 
 def run_trainer(res: dict) -> None:
@@ -478,6 +563,8 @@ def main() -> int:
             run_tp_moe(res)
         elif mode == "tp_hybrid":
             run_tp_hybrid(res)
+        elif mode == "engine_tp":
+            run_engine_tp(res, os.path.dirname(os.path.abspath(out)))
         else:
             raise ValueError(mode)
     except Exception:

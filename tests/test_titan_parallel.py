@@ -9,6 +9,8 @@ Exactness claimed and checked with torch.equal:
     = 8: what the rollout engine builds) and vs TitanModel at TP = 1 (fp32 and bf16).
   * the GDN hybrid at TP = 2 (tp_leaves = 4) vs TitanModel at TP = 1 and the model file
     (fp32 and bf16), three batch compositions of fresh tokens.
+  * vLLM at tensor_parallel_size = 2 (dense and hybrid, fp32 and bf16): its recorded
+    log-probs vs the model file and vs the trainer at TP = 2.
 Not exact, and asserted as such: TP with tp_leaves = 0 (all-reduce of rank partials) is
 within 1e-4 of the model file's forward. Gradients/steps are compared with tolerances
 (their reduction order differs; only the forward must be bitwise).
@@ -112,6 +114,24 @@ def test_tp2_hybrid_forward_is_bitwise(tmp_path):
     # every parameter gets a gradient, close to TP = 1's (the reduction order differs)
     assert r["hybrid_tp_grad_missing"] == []
     assert r["hybrid_tp_grad_maxdiff"] < 1e-5 * max(1.0, r["hybrid_tp_grad_scale"])
+
+
+def test_engine_tp2_equals_trainer_tp2_and_the_model_file(tmp_path):
+    """vLLM at tensor_parallel_size = 2 (external launcher under torchrun: an engine rank
+    per process, our wrapper sharded with the trainer's plan and leaf tree) records the
+    log-probs of the model file (= engine TP = 1, tests/test_tp_leaves.py) and of the
+    trainer at TP = 2, bit for bit: dense and GDN hybrid, fp32 and bf16, before and after a
+    weight update (full tensors in, each rank keeps its slice)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    r = launch("engine_tp", 2, tmp_path, timeout=400, env_extra={"TITAN_TEST_SEED": str(seed)})
+    for arch, q_rows in (("dense", 128), ("hybrid", 64)):  # a rank holds half of q_proj
+        for dtype in ("fp32", "bf16"):
+            key = f"engine_tp_{arch}_{dtype}"
+            assert r[f"{key}_local_q_rows"] == q_rows
+            for step in ("initial", "updated"):
+                assert r[f"{key}_{step}_tokens"] == 40
+                assert r[f"{key}_{step}_equal"], r[f"{key}_{step}_maxdiff"]
 
 
 def _check_tp(r: dict) -> None:

@@ -2,7 +2,9 @@
 
 TorchTitan calls `parallelize_qwen3(model, parallel_dims=..., training=..., parallelism=...,
 compile_config=..., ac_config=..., dump_folder=...)` (its parallelize_fn signature);
-`apply_tp` / `apply_fsdp` can also be used directly (tests, the RL trainer).
+`apply_tp` / `apply_fsdp` can also be used directly (tests, the RL trainer). The rollout
+engine at tensor_parallel_size > 1 applies the same plan with `apply_tp_local` (plain
+per-rank weight slices instead of DTensors; titan_rl/vllm/model.py).
 
 The TP plan is read from the model: each decoder layer's Linears carry their kind
 (`layer_tp_plan`). An architecture whose ArchitectureSpec.tp_plan is None refuses
@@ -234,11 +236,41 @@ def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
     The sharded layers use the model's own leaf count (`model_tp_leaves`); `tp_leaves`,
     if given, must equal it (anything else would compute other bits than the model file
     and the rollout engine)."""
+    _apply_tp(model, tp_mesh.get_group(), tp_leaves,
+              lambda lin, dim: _shard_param(lin, "weight", tp_mesh, dim))
+
+
+def apply_tp_local(model: nn.Module, group) -> dict[str, int]:
+    """The rollout engine's form of `apply_tp` (the same plan, layers and leaf tree): each
+    sharded weight becomes this rank's slice as a plain tensor (no DTensor: the engine
+    never trains). Returns {parameter name: the dim it is split on}, so that a loader of
+    full weights can take this rank's slice (`local_shard`)."""
+    split: dict[str, int] = {}
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def take_slice(lin: nn.Module, dim: int) -> None:
+        w = lin.weight
+        lin.weight = nn.Parameter(local_shard(w.data, dim, rank, tp), requires_grad=w.requires_grad)
+        split[f"{names[id(lin)]}.weight"] = dim
+
+    _apply_tp(model, group, None, take_slice)
+    return split
+
+
+def local_shard(full: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s slice of a full weight split in `tp` equal parts along `dim` (what
+    Shard(dim) holds)."""
+    return full.chunk(tp, dim)[rank].contiguous()
+
+
+def _apply_tp(model: nn.Module, group, tp_leaves: int | None, shard_weight) -> None:
+    """The TP plan applied to every decoder layer; `shard_weight(linear, dim)` replaces the
+    Linear's weight by this rank's share along `dim`."""
     spec = _architecture(model)
     if spec.tp_plan is None:
         raise ValueError(f"architecture {spec.name!r} has no TP plan ({spec.no_tp_reason})")
-    tp = tp_mesh.size()
-    group = tp_mesh.get_group()
+    tp = dist.get_world_size(group)
     own = model_tp_leaves(model)
     if tp_leaves is not None and tp_leaves != own:
         raise ValueError(f"apply_tp(tp_leaves={tp_leaves}) differs from the model's tp_leaves = {own} "
@@ -251,17 +283,12 @@ def apply_tp(model: nn.Module, tp_mesh, tp_leaves: int | None = None) -> None:
         logger.warning("TP=%d with tp_leaves=0: logits are close to, not bitwise equal to, TP=1", tp)
     for layer in _decoder_layers(model):
         plan = layer_tp_plan(layer)
-        colwise, rowwise = plan["colwise"], plan["rowwise"]
-        for path in colwise:
-            lin = layer.get_submodule(path)
-            _shard_param(lin, "weight", tp_mesh, 0)
-            reclass(lin, ColwiseLinear)
-            lin.tp_group, lin.tp_leaves = group, tp_leaves
-        for path in rowwise:
-            lin = layer.get_submodule(path)
-            _shard_param(lin, "weight", tp_mesh, 1)
-            reclass(lin, RowwiseLinear)
-            lin.tp_group, lin.tp_leaves = group, tp_leaves
+        for kind, dim, mixin in (("colwise", 0, ColwiseLinear), ("rowwise", 1, RowwiseLinear)):
+            for path in plan[kind]:
+                lin = layer.get_submodule(path)
+                shard_weight(lin, dim)
+                reclass(lin, mixin)
+                lin.tp_group, lin.tp_leaves = group, tp_leaves
         for path in plan["heads"]:
             shard_heads(layer.get_submodule(path), group)
 

@@ -16,9 +16,14 @@ from titan_rl.registry import get_architecture
 def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact", dtype: str = "bfloat16", seed: int = 0,
              kv_cache_mib: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-             block_size: int | None = None, logprobs_mode: str = "raw_logprobs"):
+             block_size: int | None = None, logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1):
     """kernels='exact': our wrapper (same model definition as the trainer);
     kernels='stock': vLLM's built-in implementation of the same architecture.
+    tensor_parallel_size > 1: one engine rank per process of a torchrun world of that
+    size (vLLM's "external_launcher" executor: every process builds its engine with the
+    same arguments and feeds it the same requests; the engine stays in-process, so
+    `engine_model` and `update_weights` work per rank). The exact wrapper shards with the
+    trainer's TP plan and needs the model's tp_leaves > 0.
     logprobs_mode='processed_logprobs' records the log-probs of the policy actually
     sampled (temperature, top-k/top-p, renormalised); the exact engine then also uses
     titan_rl.kernels.sampling for the kept set (titan_rl.vllm.sampling.install)."""
@@ -48,6 +53,8 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         kwargs.update(mamba_cache_mode="align", enable_chunked_prefill=True)
     if block_size is not None:
         kwargs.update(block_size=block_size)
+    if tensor_parallel_size != 1:
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher")
     return LLM(**kwargs)
 
 

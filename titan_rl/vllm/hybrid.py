@@ -11,7 +11,8 @@ takes as arguments:
   a parameter-free vLLM `MambaBase` layer of the LINEAR mamba type (vLLM's simplest
   state backend: its metadata builder gives `state_indices_tensor`, `query_start_loc`,
   `seq_lens`, `num_prefills`, `num_decodes` and runs on CPU). Its per-sequence pages hold
-  the conv state [C, K-1] and the recurrent state [Hv, dk, dv], both fp32. `VllmLinearState`
+  the conv state [C, K-1] and the recurrent state [Hv, dk, dv], both fp32 (at
+  tensor_parallel_size t > 1: the rank's C/t channels and Hv/t heads). `VllmLinearState`
   hands the model, per layer, the cached states of the sequences that have context
   (seq_len > query_len) and zeros for new ones, and writes the final states back into the
   same pages.
@@ -112,13 +113,10 @@ class VllmLinearState:
 class TitanHybridForCausalLM(TitanForCausalLM, HasInnerState, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        if tp != 1:
-            raise ValueError(f"tensor_parallel_size = {tp} is not supported for hybrid models in vLLM; use 1")
         cfg = self._adopt(vllm_config)
         full = [i for i in range(cfg.num_hidden_layers) if cfg.is_full_attention(i)]
         self.attn = nn.ModuleDict({str(i): _attention(cfg, vllm_config, prefix, i) for i in full})
-        shapes = cfg.linear_state_shapes()
+        shapes = cfg.linear_state_shapes(self._tp)
         self.linear_state = nn.ModuleDict({
             str(i): TitanGDNState(shapes, f"{prefix}model.layers.{i}.linear_attn", vllm_config)
             for i in range(cfg.num_hidden_layers) if i not in full
@@ -128,7 +126,7 @@ class TitanHybridForCausalLM(TitanForCausalLM, HasInnerState, IsHybrid):
     # -- vLLM's hybrid-model interface ---------------------------------------------------
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return _arch_config(vllm_config).linear_state_shapes()
+        return _arch_config(vllm_config).linear_state_shapes(vllm_config.parallel_config.tensor_parallel_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):

@@ -26,11 +26,33 @@ from titan_rl.vllm.attention import TitanAttentionBackend
 
 
 def _attention(cfg, vllm_config: VllmConfig, prefix: str, layer: int) -> Attention:
-    """vLLM's attention layer for model layer `layer`, with our backend over the paged cache."""
+    """vLLM's attention layer for model layer `layer` (this TP rank's heads), with our
+    backend over the paged cache."""
     d = cfg.head_dim
-    return Attention(cfg.num_attention_heads, d, 1.0 / math.sqrt(d), num_kv_heads=cfg.num_key_value_heads,
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return Attention(cfg.num_attention_heads // tp, d, 1.0 / math.sqrt(d), num_kv_heads=cfg.num_key_value_heads // tp,
                      cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{layer}.self_attn.attn",
                      attn_backend=TitanAttentionBackend)
+
+
+def _shard_for_tp(net: nn.Module, vllm_config: VllmConfig) -> tuple[int, int, dict[str, int]]:
+    """tensor_parallel_size > 1: shard the model with the trainer's TP plan and leaf tree
+    (titan_rl.titan.parallelize.apply_tp_local) on vLLM's TP group. Returns (rank, size,
+    {parameter name: split dim}); (0, 1, {}) at TP = 1."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return 0, 1, {}
+    if not net.ops.tp_leaves:
+        raise ValueError(
+            f"tensor_parallel_size = {tp} needs the model's tp_leaves > 0 (config.json \"titan_tp_leaves\", "
+            f"a multiple of {tp}; model.tp_leaves in the config): with tp_leaves = 0 the engine's log-probs "
+            "would depend on the TP degree")
+    from vllm.distributed import get_tp_group
+
+    from titan_rl.titan.parallelize import apply_tp_local
+
+    group = get_tp_group()
+    return group.rank_in_group, tp, apply_tp_local(net, group.device_group)
 
 
 class TitanForCausalLM(nn.Module):
@@ -52,6 +74,7 @@ class TitanForCausalLM(nn.Module):
         # Refuse exact mode on a platform whose GEMMs break the invariance we rely on.
         check_platform(vllm_config.model_config.dtype, head_dim=getattr(cfg, "head_dim", 128))
         net = spec.build(cfg, kernels="exact")
+        self._tp_rank, self._tp, self._tp_split = _shard_for_tp(net, vllm_config)
         self.cfg = cfg
         self.model, self.lm_head = net.model, net.lm_head
         object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
@@ -78,7 +101,8 @@ class TitanForCausalLM(nn.Module):
         return lm_head_logits(hidden_states, self._lm_head_fp32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Strict: unknown names and wrong shapes raise, naming the key."""
+        """Strict: unknown names and wrong shapes raise, naming the key. Weights are the
+        full (unsharded) tensors; under TP each rank keeps its slice."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -87,8 +111,16 @@ class TitanForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint key {name!r} does not exist in {type(self).__name__}")
             p = params[name]
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint key {name!r}: expected shape {tuple(p.shape)}, found {tuple(tensor.shape)}")
+            want = list(p.shape)
+            dim = self._tp_split.get(name)
+            if dim is not None:
+                want[dim] *= self._tp
+            if want != list(tensor.shape):
+                raise ValueError(f"checkpoint key {name!r}: expected shape {tuple(want)}, found {tuple(tensor.shape)}")
+            if dim is not None:
+                from titan_rl.titan.parallelize import local_shard
+
+                tensor = local_shard(tensor, dim, self._tp_rank, self._tp)
             with torch.no_grad():
                 p.copy_(tensor.to(p.dtype))
             loaded.add(name)
