@@ -209,3 +209,20 @@ def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
             logp = log_softmax_fp32(trainer(torch.tensor([p + toks])))[0]
         pi = logp[len(p) - 1: len(p) - 1 + len(toks)].gather(-1, torch.tensor(toks)[:, None])[:, 0].double()
         assert torch.equal(pi, mu), (pi - mu).abs().max()
+
+
+def test_engine_tp_needs_tp_leaves():
+    """The exact wrapper at tensor_parallel_size > 1 refuses tp_leaves = 0 (its log-probs
+    would depend on the TP degree), naming the key, before any sharding."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from titan_rl.vllm.model import _shard_for_tp
+
+    def vllm_config(tp):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+    assert _shard_for_tp(_model(0, 0), vllm_config(1)) == (0, 1, {})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size = 2 needs the model's tp_leaves > 0 "
+                                         r"\(config.json \"titan_tp_leaves\""):
+        _shard_for_tp(_model(0, 0), vllm_config(2))

@@ -4,7 +4,9 @@ It builds the ONE model definition through the registry (kernels="exact") and ad
 its submodules, so parameter names are the model's own (HF names). vLLM hands it one
 flat stream of scheduled tokens; the wrapper supplies the only engine-specific piece,
 attention over vLLM's paged cache (titan_rl.vllm.attention), as the callable the
-model's layers call.
+model's layers call. At tensor_parallel_size > 1 (make_llm: vLLM's external launcher
+under torchrun) it shards the model with the trainer's TP plan and leaf tree, so every
+TP degree gives the same bits.
 """
 
 from __future__ import annotations
