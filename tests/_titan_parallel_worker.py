@@ -2,8 +2,9 @@
     torchrun --nproc_per_node=N tests/_titan_parallel_worker.py MODE OUT.json
 MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2), tp_moe (MoE at TP = world),
 tp_hybrid (the GDN hybrid at TP = world), engine_tp (vLLM at tensor_parallel_size = world
-vs the trainer at TP = world), trainer (torchtitan's own Trainer with our ModelSpec,
-FSDP = world, synthetic data). TITAN_TEST_SEED (env): the token seed of tp_hybrid.
+vs the trainer at TP = world; it goes last: vLLM's engine shutdown ends the process group),
+trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data);
+"a+b" runs both in one launch. TITAN_TEST_SEED (env): the seed of tp_hybrid and engine_tp.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
 the same tokens is the reference. Rank 0 writes the results as JSON; each check is a
@@ -550,23 +551,20 @@ def main() -> int:
     res: dict = {"mode": mode, "world": int(os.environ["WORLD_SIZE"])}
     t0 = time.time()
     ok = True
+    runs = {
+        "fsdp": lambda: run_fsdp(res),
+        "tp": lambda: run_tp(res),
+        "trainer": lambda: run_trainer(res),
+        "fsdp_tp": lambda: run_tp(res, dp_shard=2),
+        "tp_moe": lambda: run_tp_moe(res),
+        "tp_hybrid": lambda: run_tp_hybrid(res),
+        "engine_tp": lambda: run_engine_tp(res, os.path.dirname(os.path.abspath(out))),
+    }
     try:
-        if mode == "fsdp":
-            run_fsdp(res)
-        elif mode == "tp":
-            run_tp(res)
-        elif mode == "trainer":
-            run_trainer(res)
-        elif mode == "fsdp_tp":
-            run_tp(res, dp_shard=2)
-        elif mode == "tp_moe":
-            run_tp_moe(res)
-        elif mode == "tp_hybrid":
-            run_tp_hybrid(res)
-        elif mode == "engine_tp":
-            run_engine_tp(res, os.path.dirname(os.path.abspath(out)))
-        else:
-            raise ValueError(mode)
+        for part in mode.split("+"):  # "a+b": both in one launch, in that order
+            if part not in runs:
+                raise ValueError(f"mode {part!r}; allowed: {sorted(runs)}")
+            runs[part]()
     except Exception:
         ok = False
         res["error"] = traceback.format_exc()

@@ -98,14 +98,22 @@ def test_tp2_moe_forward_and_routes_are_bitwise(tmp_path):
     assert r["moe_tp_replay_forced"]
 
 
-def test_tp2_hybrid_forward_is_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def hybrid_and_engine_tp(tmp_path_factory) -> dict:
+    """One torchrun launch for the GDN hybrid at TP = 2 and the engine at TP = 2 (vLLM's
+    start-up dominates both; the engine part goes last). Fresh seed, printed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return launch("tp_hybrid+engine_tp", 2, tmp_path_factory.mktemp("tp2"), timeout=400,
+                  env_extra={"TITAN_TEST_SEED": str(seed)})
+
+
+def test_tp2_hybrid_forward_is_bitwise(hybrid_and_engine_tp):
     """The GDN hybrid at TP = 2 (heads sharded: q/k/v/z/b/a column blocks, conv channels and
     per-head parameters sliced, out_proj through the K-leaf tree) == TitanModel at TP = 1
     == the model file the rollout engine builds, fp32 and bf16, fresh tokens in three batch
     compositions (odd sizes: hidden 200, vocab 997, 3 value heads per key head)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"token seed={seed}")
-    r = launch("tp_hybrid", 2, tmp_path, env_extra={"TITAN_TEST_SEED": str(seed)})
+    r = hybrid_and_engine_tp
     assert r["hybrid_tp_local_heads"] == [1, 3, 160]  # a rank computes 1 key head, 3 value heads
     for tag in ("fp32", "bf16"):
         assert r[f"hybrid_tp_{tag}_forward_equal"], r[f"hybrid_tp_{tag}_forward_maxdiff"]
@@ -116,15 +124,13 @@ def test_tp2_hybrid_forward_is_bitwise(tmp_path):
     assert r["hybrid_tp_grad_maxdiff"] < 1e-5 * max(1.0, r["hybrid_tp_grad_scale"])
 
 
-def test_engine_tp2_equals_trainer_tp2_and_the_model_file(tmp_path):
+def test_engine_tp2_equals_trainer_tp2_and_the_model_file(hybrid_and_engine_tp):
     """vLLM at tensor_parallel_size = 2 (external launcher under torchrun: an engine rank
     per process, our wrapper sharded with the trainer's plan and leaf tree) records the
     log-probs of the model file (= engine TP = 1, tests/test_tp_leaves.py) and of the
     trainer at TP = 2, bit for bit: dense and GDN hybrid, fp32 and bf16, before and after a
     weight update (full tensors in, each rank keeps its slice)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    r = launch("engine_tp", 2, tmp_path, timeout=400, env_extra={"TITAN_TEST_SEED": str(seed)})
+    r = hybrid_and_engine_tp
     for arch, q_rows in (("dense", 128), ("hybrid", 64)):  # a rank holds half of q_proj
         for dtype in ("fp32", "bf16"):
             key = f"engine_tp_{arch}_{dtype}"

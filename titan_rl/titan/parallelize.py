@@ -85,8 +85,7 @@ def layer_tp_plan(layer: nn.Module) -> dict[str, list[str]]:
 def check_tp_degree(cfg, tp: int, tp_leaves: int) -> None:
     heads = {key: getattr(cfg, key) for key in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads")
              if getattr(cfg, key, None) is not None}
-    bad = {key: n for key, n in heads.items() if n % tp}
-    if bad:
+    if any(n % tp for n in heads.values()):
         raise ValueError(f"tensor_parallel_degree = {tp} must divide " +
                          " and ".join(f"{key} ({n})" for key, n in heads.items()))
     if tp_leaves and tp_leaves % tp:
