@@ -258,7 +258,7 @@ class RLTrainer(Trainer):
                                kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
                                max_num_seqs=max(r.max_num_seqs, a.prompts_per_step // self.dp_degree * a.group_size),
                                enable_prefix_caching=r.enable_prefix_caching,
-                               logprobs_mode="processed_logprobs")
+                               logprobs_mode="processed_logprobs", quantization=self.rl.quantization.recipe)
         self._check_contract("before the first rollout")
 
     def _check_contract(self, when: str) -> None:
