@@ -71,3 +71,11 @@ def test_unknown_layer_group_lists_the_allowed_ones():
     with pytest.raises(config.ConfigError, match=r"^quantization.layers\[1\] = 'lm_head' is not allowed; allowed: "
                                                  r"\['attention', 'mlp', 'experts', 'linear_attention'\]$"):
         config.load(BASE, ['--quantization.layers=["mlp", "lm_head"]'])
+
+
+def test_parity_cli_refuses_a_stock_recipe_vllm_cannot_run_before_any_engine(capsys):
+    from titan_rl.parity import main
+
+    assert main(["--config", "train_configs/debug.toml", "--kernels", "both", "--quantization.recipe=mxfp8"]) == 2
+    err = capsys.readouterr().err
+    assert "quantization.recipe = 'mxfp8' with --kernels both" in err and "['none', 'fp8_rowwise']" in err

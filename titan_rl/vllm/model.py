@@ -136,12 +136,11 @@ class TitanForCausalLM(nn.Module):
             return
         fused = {id(self.lm_head)}
         for m in self._net.modules():
-            if getattr(getattr(m, "q_proj", getattr(m, "gate_proj", None)), "recipe", None) is not None:
-                continue  # quantized: dequantized per call (Linear.operand_weight)
-            if isinstance(m, qwen3.Attention):
+            # quantized linears are dequantized per call instead (Linear.operand_weight)
+            if isinstance(m, qwen3.Attention) and m.q_proj.recipe is None:
                 m.packed_qkv = PackedWeight(torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach())
                 fused.update(id(x) for x in (m.q_proj, m.k_proj, m.v_proj))
-            elif isinstance(m, qwen3.MLP):
+            elif isinstance(m, qwen3.MLP) and m.gate_proj.recipe is None:
                 m.packed_gate_up = PackedWeight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
                 fused.update(id(x) for x in (m.gate_proj, m.up_proj))
         for m in self._net.modules():
