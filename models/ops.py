@@ -7,6 +7,12 @@ here, so "exact" cannot reach a stock function on some path (or the reverse).
 exact: titan_rl.kernels (batch-invariant; the rollout engine computes the same bits).
 stock: plain torch (F.linear, SDPA, ATen elementwise ops, the chunkwise GDN form), for
 measuring what exactness costs and what it removes.
+
+Quantization (docs/quantization.md) plugs in here too: `recipe_for(group)` is the recipe a
+decoder linear of that layer group runs (exact mode only: a stock trainer is the plain
+high-precision one, the stock engine vLLM's own quantization). The Linear of that group
+then multiplies fake-quantized operands (trainer) or its held payload, dequantized, by
+the same quantized input (engine): kernels.quant's one function per recipe on both sides.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from titan_rl.kernels.elementwise import rope as rope_exact
 from titan_rl.kernels.elementwise import silu_mul
 from titan_rl.kernels.gdn import gdn_chunked, gdn_recurrent, l2norm, lane_stable
 from titan_rl.kernels.mode import KernelMode
+from titan_rl.kernels.quant.recipes import QUANT_LAYERS, QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
 
 
@@ -41,9 +48,12 @@ class Ops:
     input size depends on the batch; gdn_l2norm(x) -> fp32 per-head L2 norm;
     gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state)."""
 
-    def __init__(self, kernels: KernelMode, tp_leaves: int = 0):
+    def __init__(self, kernels: KernelMode, tp_leaves: int = 0, quant_recipe: QuantRecipe = "none",
+                 quant_layers: tuple[QuantLayer, ...] = QUANT_LAYERS):
         self.kernels = kernels
         exact = kernels == "exact"
+        self.quant_recipe: QuantRecipe = quant_recipe if exact else "none"
+        self.quant_layers = tuple(quant_layers) if self.quant_recipe != "none" else ()
         self.linear = linear if exact else F.linear
         self.rms_norm = rms_norm if exact else rms_norm_eager
         self.silu_mul = silu_mul if exact else _silu_mul
@@ -57,6 +67,11 @@ class Ops:
         # One GEMM over concatenated weights (same_input) is a choice of the exact kernels.
         self.fuse_same_input = exact
 
+    def recipe_for(self, group: QuantLayer | None) -> QuantRecipe | None:
+        """The recipe a linear of layer group `group` runs; None: high precision (no group:
+        LM head, router, GDN gates; or a group the config leaves out)."""
+        return self.quant_recipe if group in self.quant_layers else None
+
     def linear_for(self, kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         L = self.tp_leaves
         if kind == "col" and L:
@@ -69,10 +84,15 @@ class Ops:
         """mods' outputs on x (q/k/v, gate/up). Exact mode without TP pieces runs them as
         ONE GEMM over the concatenated weights (fewer, larger calls; the trainer
         concatenates per call, the engine passes `packed`, the same weights prepared
-        once); both sides take this path, so both get its bits."""
+        once); both sides take this path, so both get its bits. Quantized mods (one group,
+        so one recipe): each weight is quantized on its own (a per-tensor scale must not
+        span q, k and v), the input once."""
         ws = [m.weight for m in mods]
         if not self.fuse_same_input or self.tp_leaves or any(isinstance(w, DTensor) for w in ws):
             return [m(x) for m in mods]
+        if mods[0].recipe is not None:
+            ws = [m.operand_weight() for m in mods]
+            x, packed = mods[0].operand_input(x), None
         y = self.linear(x, torch.cat(ws) if packed is None else packed)
         return list(y.split([w.shape[0] for w in ws], -1))
 

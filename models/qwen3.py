@@ -20,6 +20,12 @@ fixed fp32 tree (kernels/matmul/torch_impl.py). The trainer's tensor-parallel la
 compute the same pieces on any TP degree dividing L (titan_rl/titan/tp_linear.py), so
 trainer TP = 1, 2, ..., L and the rollout engine (which builds this model from the
 config.json key "titan_tp_leaves") give the same bits. L = 0: one `linear` per layer.
+
+`quant_recipe` / `quant_layers` (config.json key "titan_quantization"): the decoder linears
+of those layer groups run the recipe (kernels/quant, docs/quantization.md). The trainer
+keeps its master weight and fake-quantizes weight and input per call (straight-through
+gradient); the engine holds the weight quantized (`Linear.qweight`, set by its loader) and
+dequantizes it per call. Both feed the same operands to the same `linear`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from torch import nn
 
 from titan_rl.kernels.mode import KernelMode, check_kernels
+from titan_rl.kernels.quant.recipes import QUANT_LAYERS, QUANT_RECIPES, QuantLayer, QuantRecipe
 from titan_rl.models.ops import Ops
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -53,8 +60,18 @@ class Qwen3Config:
     # 0, or L = a power of two dividing the column-/row-parallel widths: compute
     # q/k/v/gate/up as L column blocks and o/down as L K-leaves (TP-invariant; exact mode).
     tp_leaves: int = 0
+    # the quantization recipe of the decoder linears in quant_layers (exact mode; "none": off)
+    quant_recipe: QuantRecipe = "none"
+    quant_layers: tuple[QuantLayer, ...] = QUANT_LAYERS
 
     def validate(self) -> "Qwen3Config":
+        if self.quant_recipe not in QUANT_RECIPES:
+            raise ValueError(f"quantization.recipe = {self.quant_recipe!r} is not allowed; allowed: "
+                             f"{list(QUANT_RECIPES)}")
+        bad = [g for g in self.quant_layers if g not in QUANT_LAYERS]
+        if bad:
+            raise ValueError(f"quantization.layers = {list(self.quant_layers)}: {bad} not allowed; allowed: "
+                             f"{list(QUANT_LAYERS)}")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
                 f"model.head_dim = {self.head_dim} is not supported; allowed: {list(SUPPORTED_HEAD_DIMS)} "
@@ -107,6 +124,8 @@ class Qwen3Config:
         }
         if self.tp_leaves > 0:
             d["titan_tp_leaves"] = self.tp_leaves
+        if self.quant_recipe != "none":
+            d["titan_quantization"] = {"recipe": self.quant_recipe, "layers": list(self.quant_layers)}
         return d
 
     @classmethod
@@ -114,6 +133,7 @@ class Qwen3Config:
         rope_theta = d.get("rope_theta")
         if rope_theta is None:
             rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        quant = d.get("titan_quantization") or {}
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -127,6 +147,8 @@ class Qwen3Config:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             tp_leaves=int(d.get("titan_tp_leaves") or 0),
+            quant_recipe=quant.get("recipe", "none"),
+            quant_layers=tuple(quant.get("layers", QUANT_LAYERS)),
         ).validate()
 
 
@@ -173,22 +195,53 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """nn.Linear's parameter layout (weight [out, in], no bias) over the kernel linear.
     `kind`: "col" (output columns split under TP), "row" (reduction dim split) or
-    "plain"; see Ops.linear_for."""
+    "plain"; see Ops.linear_for. `group`: the quantization layer group it belongs to
+    (None: never quantized); `recipe` is what Ops says that group runs."""
 
     KINDS = ("plain", "col", "row")
 
-    def __init__(self, d_in: int, d_out: int, ops: Ops, kind: str = "plain"):
+    def __init__(self, d_in: int, d_out: int, ops: Ops, kind: str = "plain", group: QuantLayer | None = None):
         super().__init__()
         if kind not in self.KINDS:
             raise ValueError(f"Linear kind = {kind!r}; allowed: {self.KINDS}")
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
-        self.ops, self.kind = ops, kind
+        self.ops, self.kind, self.shape = ops, kind, (d_out, d_in)
+        self.recipe = ops.recipe_for(group)
+        self.quant_input = False
+        if self.recipe is not None:
+            from titan_rl.kernels.quant import check_linear_shape, quantizes_activations
+
+            check_linear_shape(self.recipe, d_out, d_in)
+            self.quant_input = quantizes_activations(self.recipe)
         # The engine's `weight` prepared for the GEMM once per load (kernels.matmul
         # PackedWeight: the same bits as preparing it per call, as the trainer does).
         self.gemm_weight = None
+        # The engine's quantized weight (kernels.quant.QuantizedWeight; `weight` is then None).
+        self.qweight = None
+
+    def operand_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input the GEMM sees: per-row fake-quantized when the recipe quantizes inputs."""
+        if not self.quant_input:
+            return x
+        from titan_rl.kernels.quant import fake_quantize
+
+        return fake_quantize(x, self.recipe, "activation")
+
+    def operand_weight(self) -> torch.Tensor:
+        """The weight the GEMM sees: the held payload dequantized (engine), the master
+        fake-quantized (trainer), or the weight itself (no recipe)."""
+        if self.qweight is not None:
+            return self.qweight.dense()
+        if self.recipe is None:
+            return self.weight
+        from titan_rl.kernels.quant import fake_quantize
+
+        return fake_quantize(self.weight, self.recipe, "weight")
 
     def forward(self, x):
         fn = self.ops.linear_for(self.kind)
+        if self.recipe is not None:
+            return fn(self.operand_input(x), self.operand_weight())
         if self.gemm_weight is not None and fn is self.ops.linear:
             return fn(x, self.gemm_weight)
         return fn(x, self.weight)
@@ -200,10 +253,10 @@ class Attention(nn.Module):
         h, hkv, d, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.layer_idx, self.h, self.hkv, self.d, self.theta = layer_idx, h, hkv, d, cfg.rope_theta
         self.ops = ops
-        self.q_proj = Linear(e, h * d, ops, "col")
-        self.k_proj = Linear(e, hkv * d, ops, "col")
-        self.v_proj = Linear(e, hkv * d, ops, "col")
-        self.o_proj = Linear(h * d, e, ops, "row")
+        self.q_proj = Linear(e, h * d, ops, "col", "attention")
+        self.k_proj = Linear(e, hkv * d, ops, "col", "attention")
+        self.v_proj = Linear(e, hkv * d, ops, "col", "attention")
+        self.o_proj = Linear(h * d, e, ops, "row", "attention")
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
         self.packed_qkv = None  # engine: [q; k; v] weights prepared once (Ops.same_input)
@@ -220,12 +273,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops: Ops):
+    """SwiGLU MLP; `group`: its quantization layer group ("experts" for an MoE expert)."""
+
+    def __init__(self, cfg: Qwen3Config, ops: Ops, group: QuantLayer = "mlp"):
         super().__init__()
         self.ops = ops
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col")
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops, "row")
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col", group)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col", group)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops, "row", group)
         self.packed_gate_up = None  # engine: [gate; up] weights prepared once (Ops.same_input)
 
     def forward(self, x):
@@ -264,7 +319,7 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: Qwen3Config, kernels: KernelMode = "exact"):
         super().__init__()
         self.cfg = cfg.validate()
-        self.ops = Ops(check_kernels(kernels), cfg.tp_leaves)
+        self.ops = Ops(check_kernels(kernels), cfg.tp_leaves, cfg.quant_recipe, cfg.quant_layers)
         self.model = Backbone(cfg, self.ops, type(self).make_layer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
         if cfg.tie_word_embeddings:

@@ -268,13 +268,14 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.r = self.hv // self.hk
         e = cfg.hidden_size
-        self.in_proj_qkvz = Linear(e, cfg.linear_qkvz_dim, ops, "col")
+        self.in_proj_qkvz = Linear(e, cfg.linear_qkvz_dim, ops, "col", "linear_attention")
+        # the gates (beta, decay) stay high precision: their error compounds along the recurrence
         self.in_proj_ba = Linear(e, 2 * self.hv, ops, "col")
         self.conv1d = CausalConv1d(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, ops)
-        self.out_proj = Linear(self.hv * self.dv, e, ops, "row")
+        self.out_proj = Linear(self.hv * self.dv, e, ops, "row", "linear_attention")
 
     def head_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(conv weight, A_log, dt_bias, norm weight) for the heads this layer computes

@@ -119,7 +119,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = cfg.num_experts
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, ops)
         expert_cfg = replace(cfg, intermediate_size=cfg.moe_intermediate_size)
-        self.experts = nn.ModuleList(MLP(expert_cfg, ops) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(MLP(expert_cfg, ops, "experts") for _ in range(cfg.num_experts))
         self.route_override: torch.Tensor | None = None
         self.last_probs: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None       # the experts used

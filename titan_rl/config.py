@@ -25,7 +25,9 @@ import tomli
 # [correction] is the algorithm's own config dataclass (one definition, validated there).
 from titan_rl.algorithms.corrections import CorrectionConfig
 from titan_rl.kernels.mode import KernelMode
-from titan_rl.kernels.quant.recipes import QUANT_LAYERS, QuantLayer, QuantRecipe
+from titan_rl.kernels.quant.recipes import (
+    QUANT_LAYERS, QUANT_RECIPES, STOCK_QUANTIZATION, ActivationScale, QuantLayer, QuantRecipe, check_activation_scale,
+)
 from titan_rl.titan.sections import (
     REFUSED_AC_MODES, REFUSED_KEYS, REFUSED_SECTIONS, SECTIONS, ActivationCheckpointConfig, CheckpointManager,
     CommConfig, DebugConfig, LRSchedulersContainer, MetricsProcessor, OptimizerConfig, ParallelismConfig,
@@ -112,6 +114,9 @@ class QuantizationConfig:
     recipe: QuantRecipe = "none"
     # the decoder linears it covers; embeddings, LM head, MoE router and GDN gates never are
     layers: list[QuantLayer] = field(default_factory=lambda: list(QUANT_LAYERS))
+    # how an activation's dynamic scale is reduced: "row" (its own elements); "tensor" (the
+    # whole batch) makes a row depend on its neighbours, which exact mode refuses
+    activation_scale: ActivationScale = "row"
 
 
 @dataclass
@@ -279,7 +284,7 @@ def validate(cfg: Config) -> None:
     ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
     if ac_reason:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
-    _check_quantization(cfg.quantization)
+    _check_quantization(cfg)
     _check_ranges(cfg)
     _check_titan_sections(cfg)
     p = cfg.parity
@@ -287,10 +292,54 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
 
 
-def _check_quantization(q: QuantizationConfig) -> None:
-    if q.recipe != "none":
-        raise ConfigError(f"quantization.recipe = {q.recipe!r}: the quantizer exists (titan_rl.kernels.quant) but "
-                          f"neither engine runs it yet; allowed today: 'none'")
+def _check_quantization(cfg: Config) -> None:
+    q = cfg.quantization
+    if q.recipe == "none":
+        return
+    if cfg.model.kernels == "stock":
+        if q.recipe not in STOCK_QUANTIZATION:
+            raise ConfigError(f"quantization.recipe = {q.recipe!r} with model.kernels = 'stock': vLLM's stock engine "
+                              f"has no online form of it; allowed with stock kernels: "
+                              f"{['none', *STOCK_QUANTIZATION]} (vLLM's torchao FP8 weight-only quantization)")
+        return
+    try:
+        check_activation_scale(q.activation_scale)
+    except ValueError as e:
+        raise ConfigError(f"quantization.{e}") from None
+    tp = cfg.parallelism.tensor_parallel_degree
+    if tp > 1:
+        raise ConfigError(f"quantization.recipe = {q.recipe!r} with parallelism.tensor_parallel_degree = {tp}: a "
+                          "sharded weight's scales would be taken over its shard; allowed: tensor_parallel_degree = 1 "
+                          "(FSDP is fine: the forward quantizes the gathered weight)")
+    problem = _quantization_problem(cfg, q.recipe)
+    if problem:
+        allowed = ["none", *(r for r in QUANT_RECIPES[1:] if not _quantization_problem(cfg, r))]
+        raise ConfigError(f"quantization.recipe = {q.recipe!r} cannot run on model {cfg.model.name!r} "
+                          f"({cfg.model.checkpoint or cfg.model.flavor}): {problem}; allowed for this model: {allowed}")
+
+
+def _quantization_problem(cfg: Config, recipe: str) -> str:
+    """Why the model cannot be built with `recipe` ("" when it can): built on the meta
+    device, so every covered linear's shape is checked against the recipe's blocks."""
+    import json
+
+    import torch
+
+    from titan_rl.registry import get_architecture
+
+    spec = get_architecture(cfg.model.name)
+    arch_cfg = cfg.model.flavor
+    if cfg.model.checkpoint:
+        path = Path(cfg.model.checkpoint) / "config.json"
+        if not path.is_file():
+            return ""  # the checkpoint checks name the missing file
+        arch_cfg = spec.config_from_hf(json.loads(path.read_text()))
+    try:
+        with torch.device("meta"):
+            spec.build(arch_cfg, kernels="exact", quant_recipe=recipe, quant_layers=tuple(cfg.quantization.layers))
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 # (key, test, what is allowed): every numeric value with a range. A value outside it would

@@ -12,8 +12,9 @@ Entries (flat names, `Contract.entries()`; canonical JSON -> sha256 = `Contract.
   arch, model_config    the registered architecture; sha256 of its config (tp_leaves apart)
   kernels, dtype        the kernel mode; the dtype the model computes in
   tp_leaves             the leaf count the model file computes with (0 in stock mode)
-  gradient_leaves,      slots for choices not built yet: "none"
-  quantization
+  gradient_leaves       a slot for a choice not built yet: "none"
+  quantization          "<recipe>:<layer groups>" the model's linears run (kernels/quant), "none";
+                        a stock engine: "vllm:<its quantization method>"
   op.<name>             the function each mode-dependent op calls (Ops); op.attention names
                         the kernel module, because the trainer's dense and the engine's paged
                         entry points are one compiled kernel
@@ -30,8 +31,10 @@ The layout (FSDP and TP degrees, rank) is not an entry: a run's bits must not de
 
 Stock mode: when both sides run kernels = "stock", the op entries name different
 implementations by design (plain torch in the trainer, vLLM's built-in model in the
-engine); `check` returns those names to be logged instead of refusing. Every other entry
-must still agree.
+engine); `check` returns those names to be logged instead of refusing, and so does
+`quantization` (a stock trainer is plain high precision, a stock engine may run vLLM's own
+online quantization: the baseline of docs/quantization.md). Every other entry must still
+agree.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def diff(a: Contract, b: Contract) -> list[str]:
 
 def stock_may_differ(name: str) -> bool:
     """Entries that differ between a stock trainer and a stock engine by design."""
-    return name.startswith("op.")
+    return name.startswith("op.") or name == "quantization"
 
 
 def check(trainer_side: Contract, engine_side: Contract, when: str = "") -> list[str]:
@@ -158,7 +161,7 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
         arch=architecture_of(model).name, model_config=_config_hash(cfg), kernels=ops.kernels,
         dtype=_dtype_name(dtype), tp_leaves=int(ops.tp_leaves), ops=named, sources=kernel_sources(),
         platform=platform_choices(), selfcheck=_selfcheck(ops.kernels, dtype, getattr(cfg, "head_dim", 128)),
-        versions=versions())
+        versions=versions(), quantization=_quantization(ops))
 
 
 def engine_contract(llm) -> Contract:
@@ -194,13 +197,19 @@ def _builtin_contract(model_config, model: torch.nn.Module) -> Contract:
         arch=specs[0].name, model_config=_config_hash(specs[0].config_from_hf(hf_config.to_dict())),
         kernels="stock", dtype=_dtype_name(model_config.dtype), tp_leaves=0,
         ops={name: builtin for name in (*OPS, "attention", "fuse_same_input")}, sources=kernel_sources(),
-        platform=platform_choices(), selfcheck=STOCK_SELFCHECK, versions=versions())
+        platform=platform_choices(), selfcheck=STOCK_SELFCHECK, versions=versions(),
+        quantization=f"vllm:{method}" if (method := getattr(model_config, "quantization", None)) else NOT_BUILT)
 
 
 # -- the entries ----------------------------------------------------------------------------
 
 def _qualname(fn) -> str:
     return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _quantization(ops) -> str:
+    recipe = getattr(ops, "quant_recipe", "none")
+    return NOT_BUILT if recipe == "none" else f"{recipe}:{','.join(ops.quant_layers)}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -216,7 +225,8 @@ def _param_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def _config_hash(cfg) -> str:
     d = dataclasses.asdict(cfg)
-    d.pop("tp_leaves", None)  # its own entry
+    for own_entry in ("tp_leaves", "quant_recipe", "quant_layers"):  # their own entries
+        d.pop(own_entry, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from titan_rl import quiet
 
@@ -37,6 +37,7 @@ from titan_rl import config as config_mod
 from titan_rl.jsonout import write_json
 from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.mode import KERNEL_MODES, KernelMode
+from titan_rl.kernels.quant.recipes import STOCK_QUANTIZATION
 from titan_rl.metrics import expert_disagreement, full_vocab_mismatch, logprob_mismatch
 from titan_rl.registry import get_architecture
 from titan_rl.rollout import Rollout
@@ -45,14 +46,29 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_weights(cfg: config_mod.Config, workdir: str) -> str:
-    """The checkpoint folder both engines load: the configured one, or random weights."""
-    from titan_rl.checkpoint import save_hf_folder
+    """The checkpoint folder both engines load: the configured one, or random weights.
+    A quantization recipe travels in its config.json ("titan_quantization"): a configured
+    folder is then linked into `workdir` with that key added."""
+    from titan_rl.checkpoint import CONFIG_NAME, save_hf_folder
 
-    if cfg.model.checkpoint:
-        return cfg.model.checkpoint
-    spec = get_architecture(cfg.model.name)
-    model = spec.build(cfg.model.flavor).init_weights(cfg.model.seed, cfg.model.init_std)
+    q = cfg.quantization
+    quant = dict(quant_recipe=q.recipe, quant_layers=tuple(q.layers))
     folder = os.path.join(workdir, "weights")
+    if cfg.model.checkpoint:
+        if q.recipe == "none":
+            return cfg.model.checkpoint
+        os.makedirs(folder)
+        for name in os.listdir(cfg.model.checkpoint):
+            if name != CONFIG_NAME:
+                os.symlink(os.path.abspath(os.path.join(cfg.model.checkpoint, name)), os.path.join(folder, name))
+        with open(os.path.join(cfg.model.checkpoint, CONFIG_NAME)) as f:
+            hf = json.load(f)
+        spec = get_architecture(cfg.model.name)
+        hf.update(replace(spec.config_from_hf(hf), **quant).hf_config(hf["architectures"][0], hf.get("dtype", "bfloat16")))
+        write_json(os.path.join(folder, CONFIG_NAME), hf)
+        return folder
+    spec = get_architecture(cfg.model.name)
+    model = spec.build(cfg.model.flavor, **quant).init_weights(cfg.model.seed, cfg.model.init_std)
     save_hf_folder(model, folder, dtype=DTYPES[cfg.model.dtype])
     return folder
 
@@ -175,7 +191,7 @@ def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=pr
     llm = make_llm(folder, arch=cfg.model.name, kernels=kernels, dtype=cfg.model.dtype, seed=seed,
                    kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
                    max_num_batched_tokens=r.max_num_batched_tokens or None,
-                   enable_prefix_caching=r.enable_prefix_caching)
+                   enable_prefix_caching=r.enable_prefix_caching, quantization=cfg.quantization.recipe)
     progress(f"[{kernels}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
     rollout = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=get_architecture(cfg.model.name).moe)
@@ -239,6 +255,11 @@ def main(argv=None) -> int:
                               [o for a in ap._actions for o in a.option_strings if o.startswith("--")])
         cfg = config_mod.load(args.config, list(args.overrides) + extra)
         config_mod.validate_parity(cfg)
+        stock_recipe = cfg.quantization.recipe
+        if (args.kernels or cfg.model.kernels) in ("stock", "both") and stock_recipe not in ("none", *STOCK_QUANTIZATION):
+            raise config_mod.ConfigError(
+                f"quantization.recipe = {stock_recipe!r} with --kernels {args.kernels or cfg.model.kernels}: the stock "
+                f"engine has no online form of it; allowed with stock kernels: {['none', *STOCK_QUANTIZATION]}")
         if args.num_prompts is not None and args.num_prompts < 1:
             raise v.UserError(f"--num-prompts = {args.num_prompts}: must be >= 1")
         if cfg.model.checkpoint:  # strictly, before vLLM's loader (its errors name no file)

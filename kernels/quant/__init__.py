@@ -5,6 +5,9 @@
   dequantize(payload, scales, recipe, dtype)       back to a dense tensor of `dtype`
   fake_quantize(x, recipe, role)                   dequantize(quantize(x)) in x's dtype, with
                                                    a straight-through gradient
+  QuantizedWeight.of(w, recipe)                    what the engine holds for a weight: payload
+                                                   + scales; .dense(dtype) = fake_quantize(w)
+  quantizes_activations(recipe), check_linear_shape(recipe, d_out, d_in)
 
 reference.py is the plain definition of each recipe, torch_impl.py the functions both
 engines call (torchao's primitives; what torchao lacks is hand-written there, with why).
@@ -14,6 +17,7 @@ recipe names, and importing torchao costs seconds and logs warnings on CPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "QUANT_LAYERS", "QUANT_RECIPES", "ROLES", "ActivationScale", "QuantLayer", "QuantRecipe", "Role", "Scales",
-    "check_activation_scale", "dequantize", "fake_quantize", "quantize",
+    "QuantizedWeight", "check_activation_scale", "check_linear_shape", "dequantize", "fake_quantize", "quantize",
+    "quantizes_activations",
 ]
 
 
@@ -85,3 +90,50 @@ class _StraightThrough(torch.autograd.Function):
 def fake_quantize(x: torch.Tensor, recipe: QuantRecipe, role: Role) -> torch.Tensor:
     """dequantize(quantize(x, recipe, role), recipe, x.dtype); gradients pass straight through."""
     return _StraightThrough.apply(x, recipe, role)
+
+
+def quantizes_activations(recipe: QuantRecipe) -> bool:
+    """True when the recipe quantizes a linear's input too (False: weight-only, e.g. nvfp4)."""
+    return _impl(recipe).quantize_activation is not None
+
+
+def check_linear_shape(recipe: QuantRecipe, d_out: int, d_in: int) -> None:
+    """A ValueError naming the shape and the block when a linear's weight [d_out, d_in] (or
+    its input rows [*, d_in], for a recipe that quantizes them) does not tile into the
+    recipe's blocks: found when the model is built, before any weight exists."""
+    impl = _impl(recipe)
+    (wr, wk), (_, ak) = impl.weight_block, impl.activation_block
+    if d_out % wr or d_in % wk:
+        raise ValueError(f"{recipe} quantizes weights in blocks of {wr}x{wk} (rows x K); a [{d_out}, {d_in}] "
+                         "linear does not divide into them")
+    if impl.quantize_activation is not None and d_in % ak:
+        raise ValueError(f"{recipe} quantizes activations in blocks of {ak} along K; a linear with {d_in} "
+                         "inputs does not divide into them")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight as the engine holds it: payload in the recipe's storage dtype + scales, and
+    the dtype of the weight it came from (the one the GEMM computes in)."""
+
+    recipe: QuantRecipe
+    payload: torch.Tensor
+    scales: Scales
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, w: torch.Tensor, recipe: QuantRecipe) -> "QuantizedWeight":
+        payload, scales = quantize(w.detach(), recipe, "weight")
+        return cls(recipe, payload, scales, w.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """The dense weight the GEMM multiplies by: fake_quantize(w) of the weight it came from."""
+        return dequantize(self.payload, self.scales, self.recipe, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.payload, *self.scales))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{"payload": ..., "scale0": ..., ...}: what a checksum or a byte count reads."""
+        return {"payload": self.payload, **{f"scale{i}": s for i, s in enumerate(self.scales)}}

@@ -35,6 +35,12 @@ ActivationScale = Literal["row", "tensor"]
 QuantLayer = Literal["attention", "mlp", "experts", "linear_attention"]
 QUANT_LAYERS: tuple[str, ...] = typing.get_args(QuantLayer)
 
+# kernels = "stock" with a recipe: vLLM's own online quantization samples, against a plain
+# high-precision trainer (the baseline a normal stack runs). vLLM's quantization="fp8" does
+# not run on its CPU build (docs/quantization.md shows the error), so the stock engine
+# runs vLLM's torchao path with torchao's FP8 weight-only config, the FP8 that does.
+STOCK_QUANTIZATION: dict[str, str] = {"fp8_rowwise": "Float8WeightOnlyConfig"}
+
 
 def check_activation_scale(value: object) -> ActivationScale:
     """`value` if an activation may be scaled that way in exact mode; a ValueError otherwise."""

@@ -113,6 +113,10 @@ def build_titan_config(cfg: Config, run_dir: str) -> Trainer.Config:
             fields["model_config"] = get_architecture(cfg.model.name).config_from_hf(json.load(f))
         initial_load = dict(enable=True, initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
                             initial_load_model_only=True)
+    q = cfg.quantization
+    if q.recipe != "none":  # in the model's own config: the engine gets it through config.json
+        base = fields.get("model_config") or get_architecture(cfg.model.name).flavors[cfg.model.flavor]
+        fields["model_config"] = replace(base, quant_recipe=q.recipe, quant_layers=tuple(q.layers))
     spec = model_spec(cfg.model.name, cfg.model.flavor, cfg.model.kernels, init_seed=cfg.model.seed,
                       init_std=cfg.model.init_std, tp_leaves=cfg.model.tp_leaves, **fields)
     sections = trainer_sections(cfg)
@@ -254,7 +258,7 @@ class RLTrainer(Trainer):
                                kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
                                max_num_seqs=max(r.max_num_seqs, a.prompts_per_step // self.dp_degree * a.group_size),
                                enable_prefix_caching=r.enable_prefix_caching,
-                               logprobs_mode="processed_logprobs")
+                               logprobs_mode="processed_logprobs", quantization=self.rl.quantization.recipe)
         self._check_contract("before the first rollout")
 
     def _check_contract(self, when: str) -> None:
@@ -291,16 +295,21 @@ class RLTrainer(Trainer):
 
     def sync_weights(self) -> bool | None:
         """Trainer weights -> engine (prefix cache reset); returns checksum equality
-        (None for the stock engine, whose fused qkv/gate_up parameters have other names)."""
+        (None for the stock engine, whose fused qkv/gate_up parameters have other names).
+        Quantized linears: their weights are quantized once here and shipped as payload +
+        scales; the checksum compares the trainer's fake-quantized weights with the
+        engine's dequantized payloads (titan_rl.quant_weights)."""
+        from titan_rl.quant_weights import engine_weights, fake_quantized_state, quantized_state, weight_recipes
         from titan_rl.vllm.engine import engine_model, update_weights
 
         state = self._full_state()
-        update_weights(self.engine, state)
+        recipes = weight_recipes(self.model)
+        update_weights(self.engine, quantized_state(state, recipes))
         self._check_contract(f"after the weight sync of step {self.step}")
         if self.rl.model.kernels == "stock":
             return None
-        engine_state = {n: p.detach() for n, p in engine_model(self.engine).named_parameters() if n in state}
-        same = checkpoint_fingerprint(state) == checkpoint_fingerprint(engine_state)
+        engine_state = {n: w for n, w in engine_weights(engine_model(self.engine)).items() if n in state}
+        same = checkpoint_fingerprint(fake_quantized_state(state, recipes)) == checkpoint_fingerprint(engine_state)
         if not same:
             raise RuntimeError("weight sync failed: engine and trainer weight checksums differ")
         return same

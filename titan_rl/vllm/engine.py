@@ -10,15 +10,19 @@ from __future__ import annotations
 import torch
 
 from titan_rl.kernels.mode import KernelMode, check_kernels
+from titan_rl.kernels.quant.recipes import STOCK_QUANTIZATION
 from titan_rl.registry import get_architecture
 
 
 def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact", dtype: str = "bfloat16", seed: int = 0,
              kv_cache_mib: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-             block_size: int | None = None, logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1):
-    """kernels='exact': our wrapper (same model definition as the trainer);
-    kernels='stock': vLLM's built-in implementation of the same architecture.
+             block_size: int | None = None, logprobs_mode: str = "raw_logprobs", quantization: str = "none",
+             tensor_parallel_size: int = 1):
+    """kernels='exact': our wrapper (same model definition as the trainer; a quantization
+    recipe comes with the folder's config.json, "titan_quantization");
+    kernels='stock': vLLM's built-in implementation of the same architecture, and with a
+    `quantization` recipe vLLM's own online form of it (kernels.quant.recipes.STOCK_QUANTIZATION).
     tensor_parallel_size > 1: one engine rank per process of a torchrun world of that
     size (vLLM's "external_launcher" executor: every process builds its engine with the
     same arguments and feeds it the same requests; the engine stays in-process, so
@@ -55,7 +59,23 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         kwargs.update(block_size=block_size)
     if tensor_parallel_size != 1:
         kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher")
+    if kernels == "stock" and quantization != "none":
+        if quantization not in STOCK_QUANTIZATION:
+            raise ValueError(f"quantization = {quantization!r} with kernels = 'stock': vLLM has no online form of it; "
+                             f"allowed: {['none', *STOCK_QUANTIZATION]}")
+        kwargs.update(quantization="torchao")
+        kwargs["hf_overrides"]["quantization_config_dict_json"] = _torchao_config_json(STOCK_QUANTIZATION[quantization])
     return LLM(**kwargs)
+
+
+def _torchao_config_json(name: str) -> str:
+    """The JSON vLLM's torchao quantization reads for torchao's config class `name`."""
+    import json
+
+    import torchao.quantization
+    from torchao.core.config import config_to_dict
+
+    return json.dumps(config_to_dict(getattr(torchao.quantization, name)()))
 
 
 def _model_runner(llm):
@@ -69,9 +89,10 @@ def engine_model(llm) -> torch.nn.Module:
     return _model_runner(llm).model
 
 
-def update_weights(llm, state_dict: dict[str, torch.Tensor]) -> None:
+def update_weights(llm, state_dict: dict) -> None:
     """Load new weights into the engine and drop every cached prefix: KV (and state)
-    computed under the old weights must never be reused. Our wrapper loads in place;
+    computed under the old weights must never be reused. Our wrapper loads in place
+    (a quantized weight may come as a kernels.quant.QuantizedWeight: titan_rl.quant_weights);
     vLLM's built-in models repack weights after loading (CPU), so they go through
     vLLM's own in-place reload."""
     from titan_rl.vllm.model import TitanForCausalLM

@@ -7,6 +7,11 @@ attention over vLLM's paged cache (titan_rl.vllm.attention), as the callable the
 model's layers call. At tensor_parallel_size > 1 (make_llm: vLLM's external launcher
 under torchrun) it shards the model with the trainer's TP plan and leaf tree, so every
 TP degree gives the same bits.
+
+With a quantization recipe (config.json "titan_quantization"), each covered Linear holds
+its weight as payload + scales (kernels.quant.QuantizedWeight) and no dense copy: a dense
+tensor given to load_weights (the checkpoint folder) is quantized on load, a
+QuantizedWeight (a weight sync, titan_rl.quant_weights) is taken as shipped.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from vllm.model_executor.layers.attention import Attention
 
 from titan_rl.kernels import lm_head_logits
 from titan_rl.kernels.matmul.torch_impl import PackedWeight
+from titan_rl.kernels.quant import QuantizedWeight
 from titan_rl.kernels.selfcheck import check_platform
 from titan_rl.models import qwen3
 from titan_rl.registry import architecture_for_vllm
@@ -49,6 +55,10 @@ def _shard_for_tp(net: nn.Module, vllm_config: VllmConfig) -> tuple[int, int, di
             f"tensor_parallel_size = {tp} needs the model's tp_leaves > 0 (config.json \"titan_tp_leaves\", "
             f"a multiple of {tp}; model.tp_leaves in the config): with tp_leaves = 0 the engine's log-probs "
             "would depend on the TP degree")
+    if net.ops.quant_recipe != "none":
+        raise ValueError(f"tensor_parallel_size = {tp} with quantization recipe {net.ops.quant_recipe!r}: a quantized "
+                         "weight is held whole (its scales are per row / block of the full tensor); use "
+                         "tensor_parallel_size = 1")
     from vllm.distributed import get_tp_group
 
     from titan_rl.titan.parallelize import apply_tp_local
@@ -81,6 +91,10 @@ class TitanForCausalLM(nn.Module):
         self.model, self.lm_head = net.model, net.lm_head
         object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
         self._lm_head_fp32: torch.Tensor | None = None
+        self._dtype = vllm_config.model_config.dtype
+        # parameter name -> the quantized Linear that holds it (as payload + scales once loaded)
+        self._quantized = {f"{n}.weight": m for n, m in self.named_modules()
+                           if isinstance(m, qwen3.Linear) and m.recipe is not None}
         return cfg
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -110,6 +124,10 @@ class TitanForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
+            if name in self._quantized:
+                self._load_quantized(name, tensor)
+                loaded.add(name)
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint key {name!r} does not exist in {type(self).__name__}")
             p = params[name]
@@ -132,6 +150,20 @@ class TitanForCausalLM(nn.Module):
         self._cache_gemm_weights()
         return loaded
 
+    def _load_quantized(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        """Hold `name` as payload + scales; the dense parameter is dropped (the memory the
+        recipe saves). A dense tensor is quantized here, by the trainer's function."""
+        m = self._quantized[name]
+        if isinstance(tensor, torch.Tensor):
+            if tuple(tensor.shape) != m.shape:
+                raise ValueError(f"checkpoint key {name!r}: expected shape {m.shape}, found {tuple(tensor.shape)}")
+            tensor = QuantizedWeight.of(tensor.to(self._dtype), m.recipe)
+        if tensor.recipe != m.recipe or tensor.dtype != self._dtype:
+            raise ValueError(f"checkpoint key {name!r}: a {tensor.recipe} weight of {tensor.dtype}; this engine "
+                             f"runs {m.recipe} in {self._dtype}")
+        m.qweight = tensor
+        m.weight = None
+
     def _cache_gemm_weights(self) -> None:
         """Prepare, once per load, the weights the forward multiplies by through `linear`
         (the trainer prepares them per call; the bits are the same): [q; k; v] and
@@ -142,12 +174,13 @@ class TitanForCausalLM(nn.Module):
             return
         fused = {id(self.lm_head)}
         for m in self._net.modules():
-            if isinstance(m, qwen3.Attention):
+            # quantized linears are dequantized per call instead (Linear.operand_weight)
+            if isinstance(m, qwen3.Attention) and m.q_proj.recipe is None:
                 m.packed_qkv = PackedWeight(torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach())
                 fused.update(id(x) for x in (m.q_proj, m.k_proj, m.v_proj))
-            elif isinstance(m, qwen3.MLP):
+            elif isinstance(m, qwen3.MLP) and m.gate_proj.recipe is None:
                 m.packed_gate_up = PackedWeight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
                 fused.update(id(x) for x in (m.gate_proj, m.up_proj))
         for m in self._net.modules():
-            if isinstance(m, qwen3.Linear) and id(m) not in fused:
+            if isinstance(m, qwen3.Linear) and id(m) not in fused and m.recipe is None:
                 m.gemm_weight = PackedWeight(m.weight)

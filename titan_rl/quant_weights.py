@@ -1,0 +1,65 @@
+"""Quantized weights between trainer and engine (docs/quantization.md).
+
+The trainer keeps full-precision masters and fake-quantizes them in its forward; the
+engine holds each covered weight as a `QuantizedWeight` (payload + scales). A weight sync
+quantizes the trainer's weights once (`quantized_state`) and ships payload + scales; the
+checksum compares what each side multiplies by: the trainer's fake-quantized weights
+(`fake_quantized_state`) against the engine's dequantized payloads (`engine_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from titan_rl.kernels.quant import QuantizedWeight, fake_quantize
+from titan_rl.kernels.quant.recipes import QuantRecipe
+
+
+def weight_recipes(model: torch.nn.Module) -> dict[str, QuantRecipe]:
+    """{parameter name: recipe} of every quantized Linear's weight (the trainer's model or
+    the engine's: the names are the model's own)."""
+    from titan_rl.models.qwen3 import Linear
+
+    return {f"{name}.weight": m.recipe for name, m in model.named_modules()
+            if isinstance(m, Linear) and m.recipe is not None}
+
+
+def quantized_state(state: Mapping[str, torch.Tensor], recipes: Mapping[str, QuantRecipe]
+                    ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """`state` with each covered weight quantized once: what a sync ships."""
+    return {n: QuantizedWeight.of(t, recipes[n]) if n in recipes else t for n, t in state.items()}
+
+
+@torch.no_grad()
+def fake_quantized_state(state: Mapping[str, torch.Tensor], recipes: Mapping[str, QuantRecipe]
+                         ) -> dict[str, torch.Tensor]:
+    """The weights the trainer's forward multiplies by (covered ones fake-quantized)."""
+    return {n: fake_quantize(t, recipes[n], "weight") if n in recipes else t for n, t in state.items()}
+
+
+def engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights an engine's forward multiplies by: its parameters, and each held
+    QuantizedWeight dequantized, under the parameter's name."""
+    from titan_rl.models.qwen3 import Linear
+
+    out = {n: p.detach() for n, p in model.named_parameters()}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.qweight is not None:
+            out[f"{name}.weight"] = m.qweight.dense()
+    return out
+
+
+def state_bytes(state: Mapping[str, torch.Tensor | QuantizedWeight]) -> int:
+    """Bytes of a state dict as shipped (payload + scales for quantized entries)."""
+    return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size() for t in state.values())
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a model holds: parameters plus quantized payloads and scales."""
+    from titan_rl.models.qwen3 import Linear
+
+    params = {id(p): p for p in model.parameters()}
+    held = sum(p.numel() * p.element_size() for p in params.values())
+    return held + sum(m.qweight.nbytes for m in model.modules() if isinstance(m, Linear) and m.qweight is not None)
