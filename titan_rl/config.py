@@ -276,6 +276,7 @@ def validate(cfg: Config) -> None:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
+    _check_reduction(cfg)
     ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
     if ac_reason:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
@@ -285,6 +286,35 @@ def validate(cfg: Config) -> None:
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
+
+
+def deterministic_reduction(cfg: Config) -> bool:
+    """parallelism.deterministic_reduction, resolved: unset means on in exact mode."""
+    on = cfg.parallelism.deterministic_reduction
+    return cfg.model.kernels == "exact" if on is None else on
+
+
+def _check_reduction(cfg: Config) -> None:
+    p = cfg.parallelism
+    if p.deterministic_reduction and cfg.model.kernels == "stock":
+        raise ConfigError("parallelism.deterministic_reduction = true cannot be honoured with model.kernels = 'stock': "
+                          "the stock engine's rollouts depend on the batch composition, so the global batch differs "
+                          "by layout; use model.kernels = 'exact', or leave the key unset")
+    if not deterministic_reduction(cfg):
+        return
+    leaves = p.gradient_leaves
+    if leaves < 1 or leaves & (leaves - 1):
+        raise ConfigError(f"parallelism.gradient_leaves = {leaves}: must be a power of two")
+    a = cfg.algorithm
+    batches = [("prompts_per_step x group_size", a.prompts_per_step * a.group_size)]
+    batches += [("sft_batch", a.sft_batch)] if a.sft_steps > 0 else []
+    for what, n in batches:
+        if n % leaves:
+            raise ConfigError(f"parallelism.gradient_leaves = {leaves} must divide algorithm.{what} = {n} "
+                              "(the global batch is cut into equal leaves)")
+    if p.data_parallel_replicate_degree > 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: "
+                          "deterministic_reduction covers FSDP only; use 1, or deterministic_reduction = false")
 
 
 def _check_quantization(q: QuantizationConfig) -> None:
