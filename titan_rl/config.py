@@ -294,6 +294,27 @@ def deterministic_reduction(cfg: Config) -> bool:
     return cfg.model.kernels == "exact" if on is None else on
 
 
+AUTO_MAX_LEAVES = 8
+
+
+def _global_batches(cfg: Config) -> list[tuple[str, int]]:
+    a = cfg.algorithm
+    return [("prompts_per_step x group_size", a.prompts_per_step * a.group_size)] + (
+        [("sft_batch", a.sft_batch)] if a.sft_steps > 0 else [])
+
+
+def gradient_leaf_count(cfg: Config) -> int:
+    """parallelism.gradient_leaves, resolved: 0 (auto) is the largest power of two up to
+    AUTO_MAX_LEAVES that divides every global batch of the run (a function of the config
+    alone, so the same on every layout)."""
+    if cfg.parallelism.gradient_leaves:
+        return cfg.parallelism.gradient_leaves
+    n = AUTO_MAX_LEAVES
+    while any(size % n for _, size in _global_batches(cfg)):
+        n //= 2
+    return n
+
+
 def _check_reduction(cfg: Config) -> None:
     p = cfg.parallelism
     if p.deterministic_reduction and cfg.model.kernels == "stock":
@@ -303,12 +324,11 @@ def _check_reduction(cfg: Config) -> None:
     if not deterministic_reduction(cfg):
         return
     leaves = p.gradient_leaves
-    if leaves < 1 or leaves & (leaves - 1):
-        raise ConfigError(f"parallelism.gradient_leaves = {leaves}: must be a power of two")
-    a = cfg.algorithm
-    batches = [("prompts_per_step x group_size", a.prompts_per_step * a.group_size)]
-    batches += [("sft_batch", a.sft_batch)] if a.sft_steps > 0 else []
-    for what, n in batches:
+    if leaves < 0 or leaves & (leaves - 1):
+        raise ConfigError(f"parallelism.gradient_leaves = {leaves}: must be 0 (auto) or a power of two")
+    if not leaves:
+        return
+    for what, n in _global_batches(cfg):
         if n % leaves:
             raise ConfigError(f"parallelism.gradient_leaves = {leaves} must divide algorithm.{what} = {n} "
                               "(the global batch is cut into equal leaves)")

@@ -7,7 +7,7 @@ the batch a world of one draws, so the rollouts do not depend on the layout."""
 
 from __future__ import annotations
 
-from titan_rl.config import Config, ConfigError, deterministic_reduction
+from titan_rl.config import Config, ConfigError, deterministic_reduction, gradient_leaf_count
 
 
 def data_parallel_degree(world: int, tensor_parallel_degree: int) -> int:
@@ -36,7 +36,7 @@ def check_global_batch(cfg: Config, world: int) -> None:
                 f"algorithm.{key} = {n} must be divisible by the data-parallel degree {dp} (WORLD_SIZE = {world} / "
                 f"parallelism.tensor_parallel_degree = {tp}): it counts the whole step, and each data-parallel "
                 f"rank takes an equal share")
-    leaves = cfg.parallelism.gradient_leaves
+    leaves = gradient_leaf_count(cfg)
     if deterministic_reduction(cfg) and leaves % dp:
         raise ConfigError(f"parallelism.gradient_leaves = {leaves} must be divisible by the data-parallel degree {dp} "
                           f"(WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): each rank owns an "

@@ -39,9 +39,10 @@ class ParallelismConfig(TitanParallelismConfig):
     """Gradients as a fixed tree over `gradient_leaves` leaves of the global batch and over
     the data-parallel ranks (titan_rl.titan.leaf_reduction): the same bits for any FSDP
     degree. Unset: on with model.kernels = "exact"; false: FSDP2's own reduce-scatter."""
-    gradient_leaves: int = 8
+    gradient_leaves: int = 0
     """The count of gradient leaves a step's global batch is cut into (a power of two,
-    divisible by the data-parallel degree; each leaf is one forward and backward)."""
+    divisible by the data-parallel degree; each leaf is one forward and backward). 0: the
+    largest power of two up to 8 dividing the run's global batches."""
 
 
 @dataclass(kw_only=True, slots=True)
