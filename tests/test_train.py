@@ -96,6 +96,40 @@ def test_kill_and_resume_equals_uninterrupted(uninterrupted, tmp_path):
     assert [_comparable(m) for m in a] == [_comparable(m) for m in b]
 
 
+def _torchrun(run_dir, extra=(), timeout=300):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
+           str(run_dir), *extra]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_elastic_resume_fsdp2_to_fsdp1_equals_uninterrupted(uninterrupted, tmp_path):
+    """Deterministic reduction (the default in exact mode): a run at FSDP = 2 logs the
+    uninterrupted one-process run's metrics; resumed in one process from its step-4
+    checkpoint (DCP reshards weights and AdamW state), it logs them again for steps 5-6."""
+    import shutil
+
+    run_a, _ = uninterrupted
+    run_b = tmp_path / "run_b"
+    r = _torchrun(run_b, SHORT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want = [_comparable(m) for m in _metrics(run_a)]
+    fsdp2 = _metrics(run_b)
+    assert [_comparable(m) for m in fsdp2] == want  # FSDP = 2 == one process, SFT and RL steps
+    shutil.rmtree(run_b / "checkpoint" / "step-6")  # the newest checkpoint is now step 4, written at FSDP = 2
+    r = _train(run_b)  # the same run, one process
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    resumed = _metrics(run_b)
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    assert resumed[5]["step_seconds"] != fsdp2[5]["step_seconds"]  # step 6 ran again
+    assert [_comparable(m) for m in resumed] == want
+
+
 def test_config_errors():
     with pytest.raises(config.ConfigError, match=r"unknown key 'algorithm.grop_size'.*did you mean 'group_size'"):
         config.load(None, ["--algorithm.grop_size=4"])
