@@ -18,8 +18,8 @@ from titan_rl import config  # noqa: E402
 SHORT = ["--training.steps=6", "--algorithm.sft_steps=2", "--algorithm.prompts_per_step=4",
          "--algorithm.group_size=4", "--algorithm.sft_batch=16", "--checkpoint.interval=2"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-# bf16, RL from the first step (an SFT step's gradient bits still depend on the layout):
-# alone and under torchrun, the first step samples the same global batch
+# bf16, RL from the first step: alone and under torchrun, the first step samples the same
+# global batch
 BF16_RL = ["--model.dtype=bfloat16", "--training.steps=3", "--lr_scheduler.warmup_steps=1", "--algorithm.sft_steps=0",
            "--algorithm.prompts_per_step=2", "--algorithm.group_size=4", "--checkpoint.enable=false"]
 
@@ -208,6 +208,8 @@ def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout, bf16_alo
     assert first["rollout_sha256"] == alone["rollout_sha256"]
     assert first["reward_mean"] == pytest.approx(alone["reward_mean"], rel=1e-6, abs=1e-9)
     assert first["loss"] == pytest.approx(alone["loss"], rel=1e-5, abs=1e-7)
+    if layout == "fsdp2":  # deterministic reduction (exact mode's default): every line, bit for bit
+        assert [_comparable(m) for m in rl] == [_comparable(m) for m in bf16_alone(0)]
 
 
 def test_starts_from_a_local_hf_checkpoint_folder(tmp_path):
