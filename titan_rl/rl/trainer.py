@@ -40,10 +40,9 @@ from titan_rl.algorithms import (
 from titan_rl import contract
 from titan_rl.checkpoint import checkpoint_fingerprint
 from titan_rl.config import Config, deterministic_reduction, gradient_leaf_count
-from titan_rl.kernels import log_softmax_fp32
+from titan_rl.kernels import log_softmax_fp32, tree_sum
 from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, logprob_mismatch
 from titan_rl.registry import get_architecture
-from titan_rl.kernels import tree_sum
 from titan_rl.rl.global_batch import gradient_leaves, rank_share
 from titan_rl.rl.seeds import completion_seeds, prompt_seed, sft_seed
 from titan_rl.rollout import Rollout, pad_sequences, response_mask
@@ -599,13 +598,21 @@ class RLTrainer(Trainer):
     def _correct(self, pi_old, mu, mask, metrics):
         """Decoupled correction for a residual mismatch: the PPO ratio is taken against
         the trainer's own log-probs at the rollout weights (pi_old), and the sampler gap
-        pi_old/mu goes into truncated weights and masks (titan_rl.algorithms.corrections)."""
-        weights, new_mask, cstats = apply_corrections(pi_old, mu, mask, self.corrections)
+        pi_old/mu goes into truncated weights and masks (titan_rl.algorithms.corrections).
+        Under deterministic reduction they are computed on the global batch (the same masks
+        and fractions on every layout) and this rank keeps its rows."""
+        if self.leaves is not None:
+            rows = slice(self.dp_rank * pi_old.shape[0], (self.dp_rank + 1) * pi_old.shape[0])
+            weights, new_mask, cstats = apply_corrections(
+                self._gather_dp(pi_old), self._gather_dp(mu), self._gather_dp(mask), self.corrections)
+            weights, new_mask = weights[rows], new_mask[rows]
+        else:
+            weights, new_mask, cstats = apply_corrections(pi_old, mu, mask, self.corrections)
+            cstats = {k: self._reduce(v, "mean") for k, v in cstats.items()}
         warning = warning_if_exact(self.corrections, metrics["max_abs_dlogp"])
         if warning and not self._warned_exact and self.rank == 0:
             print(f"WARNING: {warning}", flush=True)
             self._warned_exact = True
-        cstats = {k: self._reduce(v, "mean") for k, v in cstats.items()}
         return pi_old, weights, new_mask, cstats
 
     def _aux_loss(self):
