@@ -3,7 +3,8 @@
 MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2), tp_moe (MoE at TP = world),
 tp_hybrid (the GDN hybrid at TP = world), engine_tp (vLLM at tensor_parallel_size = world
 vs the trainer at TP = world; it goes last: vLLM's engine shutdown ends the process group),
-trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data);
+trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data),
+det_fsdp (deterministic leaf-tree reduction: 3 AdamW steps at FSDP = world vs FSDP = 1, dense/MoE/hybrid);
 "a+b" runs both in one launch. TITAN_TEST_SEED (env): the seed of tp_hybrid and engine_tp.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
@@ -27,6 +28,7 @@ cpu_compat.apply()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 
@@ -435,6 +437,87 @@ def _engine_logprobs(llm, prompts):
     return res
 
 
+# -- deterministic, layout-invariant gradients (titan_rl.titan.leaf_reduction) -------------
+
+DET_SEQS, DET_LEAVES, DET_STEPS = 8, 4, 3
+
+
+def det_batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch: DET_SEQS rows of random lengths 5..23 (odd widths), zero
+    padded to the longest, and the mask of their valid next-token targets."""
+    g = torch.Generator().manual_seed(100 + step)
+    lens = torch.randint(5, 24, (DET_SEQS,), generator=g)
+    rows = torch.randint(0, vocab, (DET_SEQS, int(lens.max())), generator=g)
+    pos = torch.arange(rows.shape[1] - 1)
+    mask = pos[None, :] < (lens[:, None] - 1)
+    return rows * (torch.arange(rows.shape[1])[None, :] < lens[:, None]), mask
+
+
+def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=None) -> dict:
+    """DET_STEPS steps of masked CE + MoE aux loss, global-norm clipping and AdamW on the
+    global batch, this rank's share of it; returns the full weights after the last step."""
+    from titan_rl.rl.global_batch import gradient_leaves, rank_share
+    from titan_rl.titan import leaf_reduction
+
+    m = model_config(arch, flavor, "exact", init_seed=SEED).build().init_weights()
+    apply_fsdp(m, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, gradient_divide_factor=1.0)
+    red = leaf_reduction.install(m) if deterministic else None
+    if not deterministic:  # MoE: an expert no token of one rank reached still joins the reduce-scatter
+        for unit in m.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_reduce_scatter_unused_params(True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
+    world, rank = mesh.size(), mesh.get_local_rank()
+    coef = getattr(m.cfg, "router_aux_loss_coef", 0.0)
+    for step in range(DET_STEPS):
+        rows, mask = det_batch(step, m.cfg.vocab_size)
+        n_tok = int(mask.sum())
+        if deterministic:
+            parts, n_parts = gradient_leaves(DET_SEQS, DET_LEAVES, world, rank), DET_LEAVES
+        else:  # today's form: the rank's share in one forward, trimmed to its own longest row
+            parts, n_parts = [rank_share(DET_SEQS, world, rank)], world
+        for j, part in enumerate(parts):
+            if red is not None:
+                red.last_leaf = j == len(parts) - 1
+            tok, msk = rows[part.start:part.stop], mask[part.start:part.stop]
+            if not deterministic:
+                width = int(msk.sum(1).max()) + 1
+                tok, msk = tok[:, :width], msk[:, :width - 1]
+            logits = m(tok)[:, :-1].float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tok[:, 1:].reshape(-1), reduction="none")
+            loss = (ce * msk.reshape(-1)).sum() / n_tok
+            if coef:
+                loss = loss + coef * m.aux_loss / n_parts
+            loss.backward()
+        norm = leaf_reduction.grad_norm(m.parameters())
+        scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        for p in m.parameters():
+            p.grad.mul_(scale.to(p.grad.dtype))
+        opt.step()
+        opt.zero_grad()
+    return {n: full(p).detach().clone() for n, p in m.named_parameters()}
+
+
+def run_det_fsdp(res: dict) -> None:
+    """FSDP = world and FSDP = 1 (a size-1 mesh dim on each rank) train the same global
+    batch; with the leaf-tree reduction the weights after DET_STEPS steps are torch.equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "solo"))
+    cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
+             ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None)]
+    for tag, arch, flavor, dtype in cases:
+        init = {n: p.detach().clone() for n, p in
+                model_config(arch, flavor, "exact", init_seed=SEED).build().init_weights().named_parameters()}
+        for det in (True, False):
+            wide = det_train(arch, flavor, mesh["dp"], det, dtype)
+            solo = det_train(arch, flavor, mesh["solo"], det, dtype)
+            key = f"{'det' if det else 'plain'}_{tag}"
+            res[f"{key}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
+            res[f"{key}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
+            res[f"{key}_moved"] = max(maxdiff(wide[n], init[n]) for n in wide)
+
+
 # -- torchtitan's Trainer end to end (synthetic tokenizer and data: no downloads) ---------
 
 def run_trainer(res: dict) -> None:
@@ -559,6 +642,7 @@ def main() -> int:
         "tp_moe": lambda: run_tp_moe(res),
         "tp_hybrid": lambda: run_tp_hybrid(res),
         "engine_tp": lambda: run_engine_tp(res, os.path.dirname(os.path.abspath(out))),
+        "det_fsdp": lambda: run_det_fsdp(res),
     }
     try:
         for part in mode.split("+"):  # "a+b": both in one launch, in that order

@@ -138,3 +138,63 @@ def test_the_command_line_refuses_it_at_start_in_one_line(tmp_path):
     assert r.stderr.strip() == ("config error: algorithm.prompts_per_step = 3 must be divisible by the data-parallel "
                                 "degree 2 (WORLD_SIZE = 2 / parallelism.tensor_parallel_degree = 1): it counts the "
                                 "whole step, and each data-parallel rank takes an equal share")
+
+
+def test_gradient_leaves_tile_the_global_batch_in_aligned_runs():
+    """Every layout's ranks own equal, consecutive runs of the same leaves, which tile the
+    global batch in order; the leaf count is a function of the config alone."""
+    from titan_rl.rl.global_batch import gradient_leaves
+
+    for dp in (1, 2, 4, 8):
+        runs = [gradient_leaves(48, 8, dp, r) for r in range(dp)]
+        assert [leaf for run in runs for leaf in run] == [range(6 * j, 6 * j + 6) for j in range(8)]
+        assert all(len(run) == 8 // dp for run in runs)
+        assert all(run[0].start == r * 48 // dp for r, run in enumerate(runs))
+    for bad in ((48, 6, 1), (50, 8, 1), (48, 8, 16)):
+        with pytest.raises(ValueError):
+            gradient_leaves(*bad, 0)
+    auto = config.load(None, ["--algorithm.prompts_per_step=3", "--algorithm.group_size=4", "--algorithm.sft_batch=16"])
+    assert config.gradient_leaf_count(auto) == 4  # 12 and 16 sequences: 4 leaves
+    assert config.deterministic_reduction(auto)  # on by default in exact mode
+    assert not config.deterministic_reduction(config.load(None, ["--model.kernels=\"stock\""]))
+
+
+def test_tree_stack_adds_in_tree_sums_order():
+    """TreeStack (the per-unit accumulator of titan_rl.titan.leaf_reduction) gives
+    tree_sum's balanced tree, bit for bit, not the sequential sum's."""
+    from titan_rl.kernels import tree_sum
+    from titan_rl.titan.leaf_reduction import TreeStack
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 4, 8, 16):
+        leaves = torch.randn(n, 1001, generator=g) * torch.logspace(-3, 3, 1001)
+        stack = TreeStack()
+        for leaf in leaves:
+            stack.push(leaf.clone())
+        assert torch.equal(stack.pop(), tree_sum(leaves))
+    stack = TreeStack()
+    for leaf in leaves[:3]:
+        stack.push(leaf)
+    with pytest.raises(RuntimeError, match="power of two"):
+        stack.pop()
+
+
+def test_deterministic_reduction_refusals_name_the_key():
+    cases = [
+        (["--model.kernels=\"stock\"", "--parallelism.deterministic_reduction=true"],
+         r"parallelism.deterministic_reduction = true cannot be honoured with model.kernels = 'stock'"),
+        (["--parallelism.gradient_leaves=6"], r"parallelism.gradient_leaves = 6: must be 0 \(auto\) or a power of two"),
+        (["--parallelism.gradient_leaves=16", "--algorithm.prompts_per_step=2", "--algorithm.group_size=4"],
+         r"parallelism.gradient_leaves = 16 must divide algorithm.prompts_per_step x group_size = 8"),
+    ]
+    for overrides, match in cases:
+        with pytest.raises(config.ConfigError, match=match):
+            config.load(None, overrides)
+    cfg = config.load(None, ["--parallelism.gradient_leaves=2", "--algorithm.prompts_per_step=4",
+                             "--algorithm.sft_batch=16"])
+    with pytest.raises(config.ConfigError, match=r"parallelism.gradient_leaves = 2 must be divisible by the "
+                                                 r"data-parallel degree 4"):
+        check_global_batch(cfg, 4)
+    check_global_batch(config.load(None, ["--parallelism.deterministic_reduction=false",
+                                          "--parallelism.gradient_leaves=2", "--algorithm.prompts_per_step=4",
+                                          "--algorithm.sft_batch=16"]), 4)

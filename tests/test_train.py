@@ -18,8 +18,8 @@ from titan_rl import config  # noqa: E402
 SHORT = ["--training.steps=6", "--algorithm.sft_steps=2", "--algorithm.prompts_per_step=4",
          "--algorithm.group_size=4", "--algorithm.sft_batch=16", "--checkpoint.interval=2"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-# bf16, RL from the first step (an SFT step's gradient bits still depend on the layout):
-# alone and under torchrun, the first step samples the same global batch
+# bf16, RL from the first step: alone and under torchrun, the first step samples the same
+# global batch
 BF16_RL = ["--model.dtype=bfloat16", "--training.steps=3", "--lr_scheduler.warmup_steps=1", "--algorithm.sft_steps=0",
            "--algorithm.prompts_per_step=2", "--algorithm.group_size=4", "--checkpoint.enable=false"]
 
@@ -94,6 +94,40 @@ def test_kill_and_resume_equals_uninterrupted(uninterrupted, tmp_path):
     a, b = _metrics(run_a), _metrics(run_b)
     assert [m["step"] for m in b] == list(range(1, 7))
     assert [_comparable(m) for m in a] == [_comparable(m) for m in b]
+
+
+def _torchrun(run_dir, extra=(), timeout=300):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
+           str(run_dir), *extra]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_elastic_resume_fsdp2_to_fsdp1_equals_uninterrupted(uninterrupted, tmp_path):
+    """Deterministic reduction (the default in exact mode): a run at FSDP = 2 logs the
+    uninterrupted one-process run's metrics; resumed in one process from its step-4
+    checkpoint (DCP reshards weights and AdamW state), it logs them again for steps 5-6."""
+    import shutil
+
+    run_a, _ = uninterrupted
+    run_b = tmp_path / "run_b"
+    r = _torchrun(run_b, SHORT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want = [_comparable(m) for m in _metrics(run_a)]
+    fsdp2 = _metrics(run_b)
+    assert [_comparable(m) for m in fsdp2] == want  # FSDP = 2 == one process, SFT and RL steps
+    shutil.rmtree(run_b / "checkpoint" / "step-6")  # the newest checkpoint is now step 4, written at FSDP = 2
+    r = _train(run_b)  # the same run, one process
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    resumed = _metrics(run_b)
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    assert resumed[5]["step_seconds"] != fsdp2[5]["step_seconds"]  # step 6 ran again
+    assert [_comparable(m) for m in resumed] == want
 
 
 def test_config_errors():
@@ -174,6 +208,8 @@ def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout, bf16_alo
     assert first["rollout_sha256"] == alone["rollout_sha256"]
     assert first["reward_mean"] == pytest.approx(alone["reward_mean"], rel=1e-6, abs=1e-9)
     assert first["loss"] == pytest.approx(alone["loss"], rel=1e-5, abs=1e-7)
+    if layout == "fsdp2":  # deterministic reduction (exact mode's default): every line, bit for bit
+        assert [_comparable(m) for m in rl] == [_comparable(m) for m in bf16_alone(0)]
 
 
 def test_starts_from_a_local_hf_checkpoint_folder(tmp_path):

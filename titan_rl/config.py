@@ -281,6 +281,7 @@ def validate(cfg: Config) -> None:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
+    _check_reduction(cfg)
     ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
     if ac_reason:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
@@ -290,6 +291,55 @@ def validate(cfg: Config) -> None:
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
+
+
+def deterministic_reduction(cfg: Config) -> bool:
+    """parallelism.deterministic_reduction, resolved: unset means on in exact mode."""
+    on = cfg.parallelism.deterministic_reduction
+    return cfg.model.kernels == "exact" if on is None else on
+
+
+AUTO_MAX_LEAVES = 8
+
+
+def _global_batches(cfg: Config) -> list[tuple[str, int]]:
+    a = cfg.algorithm
+    return [("prompts_per_step x group_size", a.prompts_per_step * a.group_size)] + (
+        [("sft_batch", a.sft_batch)] if a.sft_steps > 0 else [])
+
+
+def gradient_leaf_count(cfg: Config) -> int:
+    """parallelism.gradient_leaves, resolved: 0 (auto) is the largest power of two up to
+    AUTO_MAX_LEAVES that divides every global batch of the run (a function of the config
+    alone, so the same on every layout)."""
+    if cfg.parallelism.gradient_leaves:
+        return cfg.parallelism.gradient_leaves
+    n = AUTO_MAX_LEAVES
+    while any(size % n for _, size in _global_batches(cfg)):
+        n //= 2
+    return n
+
+
+def _check_reduction(cfg: Config) -> None:
+    p = cfg.parallelism
+    if p.deterministic_reduction and cfg.model.kernels == "stock":
+        raise ConfigError("parallelism.deterministic_reduction = true cannot be honoured with model.kernels = 'stock': "
+                          "the stock engine's rollouts depend on the batch composition, so the global batch differs "
+                          "by layout; use model.kernels = 'exact', or leave the key unset")
+    if not deterministic_reduction(cfg):
+        return
+    leaves = p.gradient_leaves
+    if leaves < 0 or leaves & (leaves - 1):
+        raise ConfigError(f"parallelism.gradient_leaves = {leaves}: must be 0 (auto) or a power of two")
+    if not leaves:
+        return
+    for what, n in _global_batches(cfg):
+        if n % leaves:
+            raise ConfigError(f"parallelism.gradient_leaves = {leaves} must divide algorithm.{what} = {n} "
+                              "(the global batch is cut into equal leaves)")
+    if p.data_parallel_replicate_degree > 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: "
+                          "deterministic_reduction covers FSDP only; use 1, or deterministic_reduction = false")
 
 
 def _check_quantization(cfg: Config) -> None:

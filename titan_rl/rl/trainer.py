@@ -39,14 +39,15 @@ from titan_rl.algorithms import (
 )
 from titan_rl import contract
 from titan_rl.checkpoint import checkpoint_fingerprint
-from titan_rl.config import Config
-from titan_rl.kernels import log_softmax_fp32
+from titan_rl.config import Config, deterministic_reduction, gradient_leaf_count
+from titan_rl.kernels import log_softmax_fp32, tree_sum
 from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, logprob_mismatch
 from titan_rl.registry import get_architecture
-from titan_rl.rl.global_batch import rank_share
+from titan_rl.rl.global_batch import gradient_leaves, rank_share
 from titan_rl.rl.seeds import completion_seeds, prompt_seed, sft_seed
 from titan_rl.rollout import Rollout, pad_sequences, response_mask
 from titan_rl.tasks import load_task
+from titan_rl.titan import leaf_reduction
 from titan_rl.validation import RunStopped, UserError, check_reward, latest_checkpoint_step
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -92,6 +93,13 @@ class _StepLoader(BaseDataLoader):
     def load_state_dict(self, sd):
         pass
 
+
+
+def _widen(t: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """t [B, w, ...] right-padded with `fill` to [B, width, ...]."""
+    out = torch.full((t.shape[0], width, *t.shape[2:]), fill, dtype=t.dtype)
+    out[:, :t.shape[1]] = t
+    return out
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -163,6 +171,9 @@ class RLTrainer(Trainer):
         self._warned_exact = False
         self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
         self.is_moe = get_architecture(rl.model.name).moe
+        # parallelism.deterministic_reduction: the step's global batch is cut into gradient
+        # leaves, reduced by one fixed tree (titan_rl.titan.leaf_reduction); None: FSDP2's own
+        self.leaves = leaf_reduction.install(self.model) if deterministic_reduction(rl) else None
         tok = self.task.tokenizer
         vocab = self.model_parts[0].cfg.vocab_size
         if tok.vocab_size > vocab:
@@ -184,7 +195,7 @@ class RLTrainer(Trainer):
         linears vs FSDP-only norms/embeddings), which TorchTitan's clip_grad_norm_ cannot
         stack; full_tensor() gives every rank the same norm."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        total = torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads))
+        total = leaf_reduction.grad_norm(self.model.parameters())
         # A NaN/inf here would reach every weight through the optimizer and be saved in
         # the next checkpoint; the loss is per rank, so the decision is taken by all ranks.
         if self._reduce(0.0 if math.isfinite(loss) and bool(torch.isfinite(total)) else 1.0, "max") > 0:
@@ -233,6 +244,46 @@ class RLTrainer(Trainer):
         t = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM, group=group)
         return float(t) / n if how == "mean" else float(t)
+
+    def _parts(self, total: int, start: int) -> tuple[list[range], int]:
+        """The pieces of this rank's share (items [start, start + share) of `total`) that get
+        one forward and backward each, as local rows, and how many the whole step has:
+        deterministic reduction: this rank's gradient leaves; else the share at once."""
+        if self.leaves is None:
+            return [range(0, total // self.dp_degree)], self.dp_degree
+        n = gradient_leaf_count(self.rl)
+        return [range(r.start - start, r.stop - start) for r in gradient_leaves(total, n, self.dp_degree,
+                                                                                self.dp_rank)], n
+
+    def _global_width(self, batch: torch.Tensor, pad: int) -> torch.Tensor:
+        """Deterministic reduction: `batch` right-padded to the global batch's longest row, so
+        every leaf has the same shape on every layout (a row's forward does not depend on
+        padding after it)."""
+        if self.leaves is None:
+            return batch
+        width = int(self._reduce(float(batch.shape[1]), "max", over_dp=True))
+        return torch.nn.functional.pad(batch, (0, width - batch.shape[1]), value=pad)
+
+    def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """The data-parallel ranks' `t` (any length along dim 0), concatenated in rank order:
+        the global batch's values, for statistics that must not depend on the layout."""
+        if self.dp_degree == 1:
+            return t
+        parts = [None] * self.dp_degree
+        dist.all_gather_object(parts, t, group=self.dp_group)
+        return torch.cat(parts)
+
+    def _step_sum(self, values: list[torch.Tensor]) -> float:
+        """Sum over the step's pieces and ranks: the leaf tree under deterministic reduction
+        (the same value on every layout), else the ranks' sum."""
+        if self.leaves is None:
+            return self._reduce(float(sum(values)), "sum", over_dp=True)
+        return float(tree_sum(self._gather_dp(torch.stack(values))))
+
+    def _backward(self, j: int, parts: list, loss: torch.Tensor) -> None:
+        if self.leaves is not None:
+            self.leaves.last_leaf = j == len(parts) - 1
+        loss.backward()
 
     def _rollout_sha256(self, rollout: Rollout, rewards: torch.Tensor) -> str:
         """sha256 over the per-request digests of the step's global batch, in global order:
@@ -347,16 +398,21 @@ class RLTrainer(Trainer):
         share = rank_share(a.sft_batch, self.dp_degree, self.dp_rank)
         pairs = self.task.sft_pairs(a.sft_batch, seed=sft_seed(self.rl.training.seed, self.step))
         pairs = pairs[share.start:share.stop]
-        batch = pad_sequences([p + t for p, t in pairs], tok.pad_id)
+        batch = self._global_width(pad_sequences([p + t for p, t in pairs], tok.pad_id), tok.pad_id)
         mask = response_mask([len(p) for p, _ in pairs], [len(t) for _, t in pairs], batch.shape[1] - 1)
         t0 = time.perf_counter()
-        logp = self._token_logprobs(batch)
-        # the token mean over the global batch: the ranks' losses and gradients sum to it
-        tokens = torch.tensor(self._reduce(float(mask.sum()), "sum", over_dp=True), dtype=logp.dtype)
-        loss = -(logp * mask).sum() / tokens + self._aux_loss() / self.dp_degree
-        loss.backward()
-        grad_norm = self._optimizer_step(float(loss.detach()))
-        return {"phase": "sft", "loss": self._reduce(float(loss.detach()), "sum", over_dp=True), "grad_norm": grad_norm,
+        # the token mean over the global batch: the pieces' losses and gradients sum to it
+        tokens = torch.tensor(self._reduce(float(mask.sum()), "sum", over_dp=True), dtype=torch.float32)
+        parts, n_parts = self._parts(a.sft_batch, share.start)
+        losses = []
+        for j, rows in enumerate(parts):
+            logp = self._token_logprobs(batch[rows.start:rows.stop])
+            loss = -(logp * mask[rows.start:rows.stop]).sum() / tokens + self._aux_loss() / n_parts
+            self._backward(j, parts, loss)
+            losses.append(loss.detach())
+        loss = self._step_sum(losses)
+        grad_norm = self._optimizer_step(loss)
+        return {"phase": "sft", "loss": loss, "grad_norm": grad_norm,
                 "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
 
     def _rollout(self) -> tuple[list, Rollout, float]:
@@ -409,63 +465,120 @@ class RLTrainer(Trainer):
 
     def _rl_step(self) -> dict:
         a = self.rl.algorithm
+        det = self.leaves is not None
         examples, rollout, t_roll = self._rollout()
         rewards = torch.tensor(self._rewards(examples, rollout.tokens), dtype=torch.float32)
         adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
-        batch, mask, mu = rollout.batch(self.task.tokenizer.pad_id), rollout.mask(), rollout.padded_mu()
+        pad = self.task.tokenizer.pad_id
+        batch = self._global_width(rollout.batch(pad), pad)
         B, L = batch.shape
+        mask, mu = _widen(rollout.mask(), L - 1, False), _widen(rollout.padded_mu(), L - 1, 0.0)
         loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
         metrics: dict = {}
         engine_routes = None
         if rollout.routes is not None:
-            engine_routes = rollout.padded_routes()
+            engine_routes = _widen(rollout.padded_routes(), L, -1)
             metrics["route_bytes_per_token"] = rollout.route_bytes_per_token
-            if self.rl.rollout.router_replay == "replay":
-                flat = engine_routes.view(B * L, *engine_routes.shape[2:])
+        replay = engine_routes is not None and self.rl.rollout.router_replay == "replay"
+        parts, n_parts = self._parts(B * self.dp_degree, B * self.dp_rank)
+        kept_at = [0, *mask.sum(1).cumsum(0).tolist()]  # rollout.kept rows: the masked tokens, row by row
+
+        def forward(r: range, own: list | None) -> torch.Tensor:
+            """log pi of rows r; `own`, if given, collects the router's own choices."""
+            if replay:
+                flat = engine_routes[r.start:r.stop].reshape(len(r) * L, *engine_routes.shape[2:])
                 self.model.set_route_override([flat[:, layer] for layer in range(flat.shape[1])])
+            kept = None if rollout.kept is None else rollout.kept[kept_at[r.start]:kept_at[r.stop]]
+            logp = self._sampled_logprobs(batch[r.start:r.stop], mask[r.start:r.stop], kept)
+            if own is not None and engine_routes is not None:
+                own.append(torch.stack(self.model.last_own_routes, 1))
+            return logp
+
+        def at_rollout_weights(pi_old: torch.Tensor, own: list) -> None:
+            """Engine vs trainer at the rollout's weights (mismatch, not policy lag), and
+            the corrections that need it."""
+            nonlocal ref, weights, loss_mask
+            metrics.update(self._mismatch(pi_old[mask], mu[mask]))
+            if engine_routes is not None:
+                metrics["expert_disagreement"] = self._expert_disagreement(
+                    engine_routes, torch.cat(own).view(B, L, *engine_routes.shape[2:]))
+            if enabled(self.corrections):
+                ref, weights, loss_mask, cstats = self._correct(pi_old, mu, mask, metrics)
+                metrics.update(cstats)
+
         t = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         ref, weights, loss_mask = mu, None, mask
         for k in range(a.updates_per_batch):
-            t0 = time.perf_counter()
-            logp = self._sampled_logprobs(batch, mask, rollout.kept)
-            t1 = time.perf_counter()
-            if k == 0:  # engine vs trainer at the rollout's weights: mismatch, not policy lag
-                metrics.update(self._mismatch(logp.detach()[mask], mu[mask]))
-                if engine_routes is not None:
-                    metrics["expert_disagreement"] = self._expert_disagreement(engine_routes)
-                if enabled(self.corrections):
-                    ref, weights, loss_mask, cstats = self._correct(logp.detach(), mu, mask, metrics)
-                    metrics.update(cstats)
-            # the aggregate over the global batch: the ranks' losses and gradients sum to it
-            count = int(self._reduce(loss_count(loss_mask, a.loss_agg), "sum", over_dp=True))
-            loss, stats = policy_gradient_loss(logp, ref, adv, loss_mask, loss_cfg, weights=weights, count=count)
-            loss = loss + self._aux_loss() / self.dp_degree
+            # corrections need the whole share's pi_old before the first leaf's loss
+            pre = k == 0 and enabled(self.corrections) and len(parts) > 1
+            own: list = []
+            if pre:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    at_rollout_weights(torch.cat([forward(r, own) for r in parts]), own)
+                t["forward"] += time.perf_counter() - t0
+            logps, losses, auxes, clipped, lag = [], [], [], 0, float("-inf")
+            for j, r in enumerate(parts):
+                t0 = time.perf_counter()
+                logp = forward(r, own if k == 0 and not pre else None)
+                t1 = time.perf_counter()
+                if k == 0 and len(parts) == 1:
+                    at_rollout_weights(logp.detach(), own)
+                if j == 0:  # the aggregate over the global batch: the pieces' losses and gradients sum to it
+                    count = int(self._reduce(loss_count(loss_mask, a.loss_agg), "sum", over_dp=True))
+                rows = slice(r.start, r.stop)
+                loss, stats = policy_gradient_loss(logp, ref[rows], adv[rows], loss_mask[rows], loss_cfg,
+                                                   weights=None if weights is None else weights[rows], count=count)
+                aux = self._aux_loss()
+                loss = loss + aux / n_parts
+                t2 = time.perf_counter()
+                self._backward(j, parts, loss)
+                t3 = time.perf_counter()
+                logps.append(logp.detach())
+                losses.append(loss.detach())
+                if self.is_moe:
+                    auxes.append(self.model.aux_loss.detach())
+                n_valid = int(loss_mask[rows].sum())
+                clipped += round(stats["clip_fraction"] * n_valid) if n_valid else 0
+                lag = max(lag, stats["log_ratio_abs_max"])
+                t["forward"] += t1 - t0
+                t["backward"] += t3 - t2
+            if k == 0 and len(parts) > 1 and not pre:
+                at_rollout_weights(torch.cat(logps), own)
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
-                metrics["policy_lag_log_ratio_abs_max"] = self._reduce(stats["log_ratio_abs_max"], "max")
-            t2 = time.perf_counter()
-            loss.backward()
+                metrics["policy_lag_log_ratio_abs_max"] = self._reduce(lag, "max")
             t3 = time.perf_counter()
-            grad_norm = self._optimizer_step(float(loss.detach()))
-            t["forward"] += t1 - t0
-            t["backward"] += t3 - t2
+            step_loss = self._step_sum(losses)
+            grad_norm = self._optimizer_step(step_loss)
             t["optimizer"] += time.perf_counter() - t3
         if self.is_moe:
             self.model.set_route_override(None)
-            metrics["aux_loss"] = self._reduce(float(self.model.aux_loss.detach()), "mean")  # included in "loss"
+            # included in "loss": the mean over the step's pieces
+            metrics["aux_loss"] = (self._step_sum(auxes) / n_parts if det
+                                   else self._reduce(float(self.model.aux_loss.detach()), "mean"))
         t0 = time.perf_counter()
         same = self.sync_weights()
         t["weight_sync"] = time.perf_counter() - t0
         t["rollout"] = t_roll
         t_train = t["forward"] + t["backward"] + t["optimizer"]
         n_tok = int(mask.sum())
+        if det:  # statistics of the global batch itself: the same values on every layout
+            tokens = self._reduce(float(loss_mask.sum()), "sum", over_dp=True)
+            spread = {"reward_mean": float(self._gather_dp(rewards).mean()),
+                      "response_length": self._reduce(n_tok, "sum", over_dp=True) / (B * self.dp_degree),
+                      "clip_fraction": self._reduce(clipped, "sum", over_dp=True) / max(tokens, 1.0)}
+        else:
+            spread = {"reward_mean": self._reduce(float(rewards.mean()), "mean"),
+                      "response_length": self._reduce(n_tok / B, "mean"),
+                      "clip_fraction": self._reduce(stats["clip_fraction"], "mean")}
         metrics.update({
             "phase": "rl",
             "rollout_sha256": self._rollout_sha256(rollout, rewards),
-            "reward_mean": self._reduce(float(rewards.mean()), "mean"),
-            "response_length": self._reduce(n_tok / B, "mean"),
-            "loss": self._reduce(float(loss.detach()), "sum", over_dp=True),
+            "reward_mean": spread["reward_mean"],
+            "response_length": spread["response_length"],
+            "loss": step_loss,
             "grad_norm": grad_norm,
-            "clip_fraction": self._reduce(stats["clip_fraction"], "mean"),
+            "clip_fraction": spread["clip_fraction"],
             "weights_checksum_equal": same,
             **self._contract_metrics(),
             "rollout_tokens_per_s": n_tok / t_roll,
@@ -494,13 +607,21 @@ class RLTrainer(Trainer):
     def _correct(self, pi_old, mu, mask, metrics):
         """Decoupled correction for a residual mismatch: the PPO ratio is taken against
         the trainer's own log-probs at the rollout weights (pi_old), and the sampler gap
-        pi_old/mu goes into truncated weights and masks (titan_rl.algorithms.corrections)."""
-        weights, new_mask, cstats = apply_corrections(pi_old, mu, mask, self.corrections)
+        pi_old/mu goes into truncated weights and masks (titan_rl.algorithms.corrections).
+        Under deterministic reduction they are computed on the global batch (the same masks
+        and fractions on every layout) and this rank keeps its rows."""
+        if self.leaves is not None:
+            rows = slice(self.dp_rank * pi_old.shape[0], (self.dp_rank + 1) * pi_old.shape[0])
+            weights, new_mask, cstats = apply_corrections(
+                self._gather_dp(pi_old), self._gather_dp(mu), self._gather_dp(mask), self.corrections)
+            weights, new_mask = weights[rows], new_mask[rows]
+        else:
+            weights, new_mask, cstats = apply_corrections(pi_old, mu, mask, self.corrections)
+            cstats = {k: self._reduce(v, "mean") for k, v in cstats.items()}
         warning = warning_if_exact(self.corrections, metrics["max_abs_dlogp"])
         if warning and not self._warned_exact and self.rank == 0:
             print(f"WARNING: {warning}", flush=True)
             self._warned_exact = True
-        cstats = {k: self._reduce(v, "mean") for k, v in cstats.items()}
         return pi_old, weights, new_mask, cstats
 
     def _aux_loss(self):
@@ -509,16 +630,21 @@ class RLTrainer(Trainer):
             return 0.0
         return self.model.cfg.router_aux_loss_coef * self.model.aux_loss
 
-    def _expert_disagreement(self, engine_routes: torch.Tensor) -> float:
+    def _expert_disagreement(self, engine_routes: torch.Tensor, own: torch.Tensor) -> float:
         """Sampler-recorded experts vs the trainer router's own choice at the same
-        positions (last forward), over the positions the sampler computed."""
-        B, L = engine_routes.shape[:2]
-        own = torch.stack(self.model.last_own_routes, 1).view(B, L, *engine_routes.shape[2:])
+        positions, over the positions the sampler computed; under deterministic reduction
+        over the global batch's positions, else the ranks' mean."""
         valid = engine_routes[:, :, 0, 0] >= 0
+        if self.leaves is not None:
+            return expert_disagreement(self._gather_dp(engine_routes[valid]), self._gather_dp(own[valid]))
         return self._reduce(expert_disagreement(engine_routes[valid], own[valid]), "mean")
 
     def _mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
-        """titan_rl.metrics.logprob_mismatch of this rank's tokens, combined over ranks."""
+        """titan_rl.metrics.logprob_mismatch of this rank's tokens, combined over ranks;
+        under deterministic reduction, of the global batch's tokens."""
+        if self.leaves is not None:
+            m = logprob_mismatch(self._gather_dp(pi), self._gather_dp(mu))
+            return {k: m[k] for k in STEP_MISMATCH}
         m = logprob_mismatch(pi, mu)
         return {k: self._reduce(m[k], how) for k, how in STEP_MISMATCH.items()}
 

@@ -4,7 +4,7 @@
 under their TorchTitan names, so every TorchTitan knob (and any TorchTitan adds) is a TOML
 key. What titan_rl cannot honour, or sets itself, is refused by name with the reason
 (REFUSED_KEYS, REFUSED_SECTIONS). Where titan_rl adds to a TorchTitan section it does so in
-a subclass of TorchTitan's class (the seed of the RL data; the catch-all optimizer group;
+a subclass of TorchTitan's class (the seed of the RL data; the catch-all optimizer group; the gradient reduction;
 the choice of activation-checkpointing class), and `trainer_sections` hands TorchTitan
 its plain classes.
 """
@@ -19,7 +19,8 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-from torchtitan.config import CommConfig, DebugConfig, ParallelismConfig
+from torchtitan.config import CommConfig, DebugConfig
+from torchtitan.config import ParallelismConfig as TitanParallelismConfig
 from torchtitan.config import TrainingConfig as TitanTrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.profiler import Profiler
@@ -30,6 +31,18 @@ class TrainingConfig(TitanTrainingConfig):
     seed: int = 0
     """Seed of everything random in the RL loop (prompts, SFT pairs, sampling), as a pure
     function of (seed, step, rank). TorchTitan's own RNG seed is debug.seed."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismConfig(TitanParallelismConfig):
+    deterministic_reduction: bool | None = None
+    """Gradients as a fixed tree over `gradient_leaves` leaves of the global batch and over
+    the data-parallel ranks (titan_rl.titan.leaf_reduction): the same bits for any FSDP
+    degree. Unset: on with model.kernels = "exact"; false: FSDP2's own reduce-scatter."""
+    gradient_leaves: int = 0
+    """The count of gradient leaves a step's global batch is cut into (a power of two,
+    divisible by the data-parallel degree; each leaf is one forward and backward). 0: the
+    largest power of two up to 8 dividing the run's global batches."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -157,6 +170,7 @@ def trainer_sections(cfg) -> dict[str, Any]:
         training=titan_config(cfg.training, TitanTrainingConfig),
         optimizer=optimizer,
         activation_checkpoint=None if ac.mode == "none" else titan_config(ac, FullAC.Config),
+        parallelism=titan_config(cfg.parallelism, TitanParallelismConfig),
         **{name: dataclasses.replace(getattr(cfg, name))
-           for name in ("lr_scheduler", "parallelism", "metrics", "comm", "debug", "profiler")},
+           for name in ("lr_scheduler", "metrics", "comm", "debug", "profiler")},
     )
