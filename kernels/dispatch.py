@@ -47,6 +47,9 @@ TABLE: dict[str, dict[str, str]] = {
                         "triton": "attention.triton_impl:attention_paged"},
     "kv_cache_write": {"torch": "attention.torch_impl:kv_cache_write", "triton": "attention.triton_impl:kv_cache_write"},
     "gdn_recurrent": {"torch": "gdn.torch_impl:gdn_recurrent", "triton": "gdn.triton_impl:gdn_recurrent"},
+    "router_topk": {"torch": "moe.torch_impl:router_topk", "triton": "moe.triton_impl:router_topk"},
+    "drop_mask": {"torch": "sampling.torch_impl:drop_mask", "triton": "sampling.triton_impl:drop_mask"},
+    "moe_experts": {"torch": "moe.torch_impl:moe_experts", "triton": "moe.triton_impl:moe_experts"},
 }
 
 _forced: list[str] = []

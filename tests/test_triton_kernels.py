@@ -230,3 +230,86 @@ def test_model_trainer_dense_equals_paged_decode_on_triton(rng, monkeypatch):
         log_softmax_fp32(m(tokens[:1, :5])).mean().backward()
     grads = [p.grad for p in m.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+# -- elementwise, MoE: reference and a row alone vs in batches (odd sizes) ----------------
+
+def _rows_invariant(fn, x, *rest, sizes=(1, 2, 5)):
+    full = fn(x, *rest)
+    for m in sizes:
+        assert torch.equal(fn(x[:m], *(r[:m] for r in rest)), full[:m]), m
+        assert torch.equal(fn(x[-m:], *(r[-m:] for r in rest)), full[-m:]), m
+    return full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_rope_match_reference_and_are_row_invariant(dtype, rng):
+    from titan_rl.kernels.elementwise import triton_impl as ew
+    from titan_rl.kernels.elementwise.reference import rope_reference, silu_mul_reference
+
+    g, u = (3 * torch.randn(11, 200, generator=rng)).to(dtype), torch.randn(11, 200, generator=rng).to(dtype)
+    y = _rows_invariant(ew.silu_mul, g, u)
+    torch.testing.assert_close(y, silu_mul_reference(g, u), rtol=TOL[dtype], atol=TOL[dtype])
+    x = torch.randn(9, 3, 32, generator=rng).to(dtype)
+    pos = torch.randint(0, 3000, (9,), generator=rng)
+    y = _rows_invariant(lambda a, p: ew.rope(a, p, 1e6), x, pos)
+    torch.testing.assert_close(y, rope_reference(x, pos, 1e6), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_moe_router_and_combine_match_reference_and_are_row_invariant(rng):
+    from titan_rl.kernels.moe import triton_impl as tm
+    from titan_rl.kernels.moe.reference import moe_experts_reference, router_topk_reference
+
+    T, H, E, k, inter = 13, 40, 7, 3, 24
+    x = torch.randn(T, H, generator=rng)
+    gate = torch.randn(E, H, generator=rng) / H**0.5
+    gate[3] = gate[5]  # a tie: the lower expert index first
+    w_gate, w_up, w_down = (torch.randn(E, inter, H, generator=rng) / H**0.5, torch.randn(E, inter, H, generator=rng)
+                            / H**0.5, torch.randn(E, H, inter, generator=rng) / inter**0.5)
+    w, ids = tm.router_topk(x, gate, k, True)
+    rw, rids = router_topk_reference(x, gate, k, True)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    assert all(list(r).index(3) < list(r).index(5) for r in ids.tolist() if 3 in r and 5 in r)
+    for m in (1, 4, T - 1):
+        wm, im = tm.router_topk(x[-m:], gate, k, True)
+        assert torch.equal(wm, w[-m:]) and torch.equal(im, ids[-m:]), m
+    from titan_rl.kernels.elementwise import triton_impl as ew
+
+    experts = [lambda xe, e=e: mm.linear(ew.silu_mul(mm.linear(xe, w_gate[e]), mm.linear(xe, w_up[e])), w_down[e])
+               for e in range(E)]
+    out = tm.moe_experts(x, ids, w, experts)
+    torch.testing.assert_close(out, moe_experts_reference(x, ids, w, w_gate, w_up, w_down), rtol=1e-4, atol=1e-4)
+    for m in (1, 2, 6):
+        assert torch.equal(tm.moe_experts(x[:m], ids[:m], w[:m], experts), out[:m]), m
+
+
+def test_top_k_top_p_drop_mask_matches_torch_impl_and_is_row_invariant(rng):
+    """No sort: bisection over the values' order. Top-k counts are exact, so it equals
+    torch_impl's mask; top-p may differ only where torch's sorted cumsum lies within
+    rounding of 1 - p. Ties (by token id), -inf entries and disabled rows included."""
+    from titan_rl.kernels.sampling import torch_impl as ts
+    from titan_rl.kernels.sampling import triton_impl as tsp
+
+    N, V = 7, 1100  # two vocab chunks, the second ragged
+    x = 3 * torch.randn(N, V, generator=rng)
+    x[1, 100:400] = x[1, 50]  # a long tie
+    x[2, :900] = float("-inf")
+    k = torch.tensor([5, 0, 37, V, 1, 300, 12])
+    p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.95, 0.7, 1.0])
+    got_k = tsp.drop_mask(x, k, None)
+    assert torch.equal(got_k, ts.drop_mask(x, k, None))
+    got = tsp.drop_mask(x, k, p)
+    want = ts.drop_mask(x, k, p)
+    differ = (got != want).nonzero()
+    if differ.numel():  # only at the top-p boundary, within fp32 rounding
+        xs = x.masked_fill(got_k, float("-inf"))
+        vals, idx = xs.sort(-1, stable=True)
+        cum = vals.softmax(-1).cumsum(-1)
+        rank = torch.empty_like(idx).scatter_(1, idx, torch.arange(V).expand(N, V))
+        for r, v in differ.tolist():
+            assert abs(float(cum[r, rank[r, v]]) - (1 - float(p[r]))) < 1e-5, (r, v)
+    assert not got[:, :].all(-1).any()  # something is always kept
+    for m in (1, 3):
+        assert torch.equal(tsp.drop_mask(x[-m:], k[-m:], p[-m:]), got[-m:]), m
+    assert torch.equal(tsp.drop_mask(x[3:4], k[3:4], p[3:4]), got[3:4])

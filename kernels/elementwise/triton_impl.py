@@ -66,12 +66,12 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, HEADS, D, sx_t, sx_h, 
     x = tl.load(x_ptr + t * sx_t + h * sx_h + dd, mask=mask, other=0.0)
     # rot(x) = [-x2, x1]: lane d reads lane d + half (first half, negated) or d - half.
     partner = tl.where(dd < half, dd + half, dd - half)
-    xr = tl.load(x_ptr + t * sx_t + h * sx_h + partner, mask=mask, other=0.0)
-    xr = tl.where(dd < half, -xr, xr)
+    xr = tl.load(x_ptr + t * sx_t + h * sx_h + partner, mask=mask, other=0.0).to(tl.float32)
+    xr = tl.where(dd < half, -xr, xr)  # negated in fp32 (exact; the interpreter's bf16 negation is not)
     c = tl.load(cos_ptr + p * sc + dd, mask=mask, other=0.0)
     s = tl.load(sin_ptr + p * sc + dd, mask=mask, other=0.0)
     a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
-    b = (xr.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+    b = (xr * s.to(tl.float32)).to(x.dtype)
     y = a.to(tl.float32) + b.to(tl.float32)
     tl.store(y_ptr + t * sy_t + h * sy_h + dd, y.to(y_ptr.dtype.element_ty), mask=mask)
 
