@@ -313,3 +313,37 @@ def test_top_k_top_p_drop_mask_matches_torch_impl_and_is_row_invariant(rng):
     for m in (1, 3):
         assert torch.equal(tsp.drop_mask(x[-m:], k[-m:], p[-m:]), got[-m:]), m
     assert torch.equal(tsp.drop_mask(x[3:4], k[3:4], p[3:4]), got[3:4])
+
+
+def test_vllm_cuda_backend_metadata_to_kernel_arguments(rng):
+    """titan_rl/vllm/attention_cuda.py on CPU: vLLM's GPU cache layout [blocks, Hkv, block,
+    2*D] with HND strides as a view the kernel reads, the Triton backend's metadata as the
+    kernel's arguments: a mixed decode / chunk / prefill step equals the dense rows."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    import titan_rl.kernels as K
+    from titan_rl.vllm import attention_cuda as ac
+
+    assert ac.TitanTritonAttentionBackend.get_builder_cls()._cudagraph_support == AttentionCGSupport.NEVER
+    assert ac.TitanTritonAttentionBackend.get_impl_cls().kernel is K.attention_paged
+    S, L, H, Hkv, D, page, n_blocks = 3, 21, 4, 2, 32, 16, 7
+    q, k, v = _qkv(rng, S, L, H, Hkv, D)
+    dense = attn.attention_dense(q, k, v, 0.3)
+    raw = torch.full((n_blocks, page, Hkv, 2 * D), float("nan")).permute(0, 2, 1, 3)  # HND strides
+    view = ac.cache_view(raw, D)
+    assert view.data_ptr() == raw.data_ptr() and view.shape == (n_blocks, Hkv, 2, page, D)
+    table = torch.randperm(n_blocks, generator=rng)[: S * 2].view(S, 2).to(torch.int32)
+    pos = torch.arange(L)
+    for s in range(S):
+        attn.kv_cache_write(view, k[s], v[s], table[s, pos // page].long() * page + pos % page)
+    spans = [(L - 1, L), (L - 6, L), (0, L)]
+    qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
+    qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0).to(torch.int32)
+    md = SimpleNamespace(num_actual_tokens=qs.shape[0], query_start_loc=qsl, block_table=table,
+                         seq_lens=torch.tensor([b for _, b in spans], dtype=torch.int32), max_query_len=L)
+    padded = torch.cat([qs, torch.zeros(3, H, D)])  # vLLM pads the step; rows past num_actual_tokens
+    out = attn.attention_paged(**ac.kernel_args(padded, raw, md, D, 0.3))
+    for s, (a, b) in enumerate(spans):
+        assert torch.equal(out[qsl[s]: qsl[s + 1]], dense[s, a:b]), s

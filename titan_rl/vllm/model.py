@@ -24,12 +24,22 @@ from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.attention import TitanAttentionBackend
 
 
+def attention_backend(vllm_config: VllmConfig) -> type:
+    """Our attention backend for the engine's device: over vLLM's CPU backend on CPU, over
+    its Triton backend on CUDA (titan_rl/vllm/attention_cuda.py)."""
+    if vllm_config.device_config.device_type == "cuda":
+        from titan_rl.vllm.attention_cuda import TitanTritonAttentionBackend
+
+        return TitanTritonAttentionBackend
+    return TitanAttentionBackend
+
+
 def _attention(cfg, vllm_config: VllmConfig, prefix: str, layer: int) -> Attention:
     """vLLM's attention layer for model layer `layer`, with our backend over the paged cache."""
     d = cfg.head_dim
     return Attention(cfg.num_attention_heads, d, 1.0 / math.sqrt(d), num_kv_heads=cfg.num_key_value_heads,
                      cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{layer}.self_attn.attn",
-                     attn_backend=TitanAttentionBackend)
+                     attn_backend=attention_backend(vllm_config))
 
 
 class TitanForCausalLM(nn.Module):
