@@ -48,7 +48,7 @@ if IN_PROCESS:
     # these modules were imported before the variable was set, re-decorate them.
     mm, rn, attn = (importlib.reload(m) for m in (mm, rn, attn))
     lm = importlib.reload(lm)  # after mm: it binds mm.linear
-    from _triton_interp import pin_interpreter_dot
+    from titan_rl.kernels.interpreter import pin_interpreter_dot
 
     pin_interpreter_dot()  # tl.dot without the host BLAS's row-position dependence
 
