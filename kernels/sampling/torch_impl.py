@@ -30,6 +30,8 @@ from titan_rl.kernels.dispatch import Dispatched
 
 NEG_INF = float("-inf")
 _dispatched_drop_mask = Dispatched("drop_mask")
+# the function vLLM's sampler records its log-probs with (titan_rl.vllm.sampling.install_logprobs)
+_dispatched_log_softmax = Dispatched("log_softmax_fp32")
 GREEDY_EPS = 1e-5  # vllm/v1/sample/sampler.py _SAMPLING_EPS
 
 
@@ -135,4 +137,4 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature, to
         raise ValueError("sampled token outside its kept set: "
                          + ", ".join(f"row {i} token {int(tokens[i])}" for i in bad[:8])
                          + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""))
-    return masked.log_softmax(dim=-1, dtype=torch.float32).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return _dispatched_log_softmax(masked).gather(1, tokens.unsqueeze(1)).squeeze(1)
