@@ -73,24 +73,32 @@ def use_backend(name: str) -> Iterator[None]:
 
 def backend_for(device: torch.device | str) -> str:
     """The backend ops on `device` run (the forced one inside `use_backend`)."""
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if not _forced and kind in DEVICE_BACKEND:
+        return DEVICE_BACKEND[kind]
     if _forced:
         name = _forced[-1]
         if name == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1, set before "
                                "triton is first imported (the Triton interpreter)")
         return name
-    if kind not in DEVICE_BACKEND:
-        raise ValueError(f"device {kind!r} has no titan_rl kernels; supported: {sorted(DEVICE_BACKEND)}")
-    return DEVICE_BACKEND[kind]
+    raise ValueError(f"device {kind!r} has no titan_rl kernels; supported: {sorted(DEVICE_BACKEND)}")
+
+
+_MODULES: dict[tuple[str, str], tuple[object, str]] = {}  # (op, backend) -> (module, attribute)
 
 
 def implementation(op: str, device: torch.device | str) -> Callable:
-    """The function (or class) that runs `op` for tensors on `device`."""
-    if op not in TABLE:
-        raise KeyError(f"kernel op {op!r} is not in the dispatch table; ops: {sorted(TABLE)}")
-    module, attr = TABLE[op][backend_for(device)].split(":")
-    return getattr(importlib.import_module(f"titan_rl.kernels.{module}"), attr)
+    """The function (or class) that runs `op` for tensors on `device` (the module's
+    attribute as it is now)."""
+    key = (op, backend_for(device))
+    hit = _MODULES.get(key)
+    if hit is None:
+        if op not in TABLE:
+            raise KeyError(f"kernel op {op!r} is not in the dispatch table; ops: {sorted(TABLE)}")
+        module, attr = TABLE[op][key[1]].split(":")
+        hit = _MODULES[key] = (importlib.import_module(f"titan_rl.kernels.{module}"), attr)
+    return getattr(hit[0], hit[1])
 
 
 def _device_of(args, kwargs) -> torch.device:
@@ -114,7 +122,9 @@ class Dispatched:
         self.op = op
 
     def __call__(self, *args, **kwargs):
-        return implementation(self.op, _device_of(args, kwargs))(*args, **kwargs)
+        first = args[0] if args else None
+        device = first.device if isinstance(first, torch.Tensor) else _device_of(args, kwargs)
+        return implementation(self.op, device)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Dispatched({self.op!r})"

@@ -1,5 +1,7 @@
 """Triton kernels (kernels/*/triton_impl.py) under TRITON_INTERPRET=1 on CPU tensors:
-closeness to the reference (stated tolerance) and batch invariance (torch.equal).
+closeness to the reference (stated tolerance) and batch invariance (torch.equal); the
+model end to end on the dispatcher's Triton column (trainer dense forward == paged
+prefill + decode); vLLM's CUDA backend's metadata -> kernel arguments.
 
 The interpreter is 100-1000x slower than torch, so shapes are tiny but still cross
 every tile edge (rows > one row tile, K and N not multiples of the blocks, several KV
