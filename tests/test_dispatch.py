@@ -69,3 +69,18 @@ def test_paged_decode_equals_trainer_dense_on_cpu(dtype, rng):
     with torch.no_grad():
         dense = m(tokens)
     assert torch.equal(dense, paged_logits(m, tokens, prefill=5))
+
+
+def test_torchtitan_on_cuda_gets_no_cpu_shims():
+    """On a machine with an accelerator, importing titan_rl.titan leaves TorchTitan alone:
+    its device is "cuda" (so NCCL and FSDP2/TP as TorchTitan sets them up). Run in a child
+    process that reports a CUDA device to torch before anything imports torchtitan."""
+    import subprocess
+    import sys
+
+    code = ("import torch, torch._utils as u; u._get_available_device_type = lambda: 'cuda'\n"
+            "import titan_rl.titan\nfrom titan_rl.titan import cpu_compat\nimport torchtitan.tools.utils as tu\n"
+            "print(cpu_compat.on_cpu(), tu.device_type)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["False", "cuda"], r.stdout
