@@ -24,7 +24,7 @@ BLOCK_N = 64
 BLOCK_K = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count (no M == 1 or M % 16 variant)
 def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
