@@ -3,7 +3,7 @@
 # make parity  set up and run the parity harness, debug model, exact vs stock
 # make bench   set up and run the overhead benchmark (small model)
 # make gpu-check-cpu  scripts/gpu_check.py's invariance and parity checks on CPU under the
-#              Triton interpreter (tiny shapes, fp32; about 3.5 min on 2 shared cores)
+#              Triton interpreter (tiny shapes, fp32; 2-3.5 min on 2 shared cores)
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0

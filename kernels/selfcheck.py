@@ -70,7 +70,7 @@ def platform_choices(device: torch.device | str = "cpu") -> dict:
         return {"backend": backend, "triton": triton.__version__,
                 "device": torch.cuda.get_device_name(device) if kind == "cuda" else "triton interpreter (CPU)",
                 "linear_tiles": f"{mm.ROW_TILE}x{mm.BLOCK_N}x{mm.BLOCK_K}, no split-K, no autotune",
-                "attention": f"one kernel, KV blocks of {attn.BLOCK} at absolute positions, rows tiles of "
+                "attention": f"one kernel, KV blocks of {attn.BLOCK} at absolute positions, row tiles of "
                              f"{attn.BLOCK_R}, block table read in the kernel",
                 "fp_fusion": False, "torch_threads": torch.get_num_threads()}
     from titan_rl.kernels.matmul import torch_impl as mm
