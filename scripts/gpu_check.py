@@ -280,9 +280,9 @@ def speed(dev, dtype) -> dict:
         at.kv_cache_write(caches[i], k, v, slots)
         return at.attention_paged(q, caches[i], qsl, lens, table, s, 1)
 
-    def sdpa(i, q, k, v):
-        o = F.scaled_dot_product_attention(q[:, :, None].transpose(1, 2), kd[0], kd[1], scale=s, enable_gqa=True)
-        return o.transpose(1, 2)[:, 0]
+    def sdpa(i, q, k, v):  # q [B, H, D]; this step's k/v into a dense [B, Hkv, C + 1, D] cache
+        kd[0][:, :, C], kd[1][:, :, C] = k, v
+        return F.scaled_dot_product_attention(q[:, :, None], kd[0], kd[1], scale=s, enable_gqa=True)[:, :, 0]
 
     with torch.no_grad():
         ours = _ms(lambda: exact.logits(exact.hidden_states(ids, pos, paged)))
