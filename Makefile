@@ -2,11 +2,13 @@
 # make test    set up .venv (idempotent) and run the test suite (what CI runs)
 # make parity  set up and run the parity harness, debug model, exact vs stock
 # make bench   set up and run the overhead benchmark (small model)
+# make gpu-check-cpu  scripts/gpu_check.py's invariance and parity checks on CPU under the
+#              Triton interpreter (tiny shapes, fp32; 2-3.5 min on 2 shared cores)
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: setup train test parity bench
+.PHONY: setup train test parity bench gpu-check-cpu
 setup:
 	@bash scripts/setup.sh
 
@@ -21,3 +23,6 @@ parity: setup
 
 bench: setup
 	$(PY) scripts/bench_parity_overhead.py --json outputs/bench_parity_overhead.json
+
+gpu-check-cpu: setup
+	TRITON_INTERPRET=1 $(PY) scripts/gpu_check.py --cpu-interpret --json outputs/gpu_check_cpu_interpret.json

@@ -12,7 +12,10 @@ PlatformNotInvariant naming the op, shape, dtype and thread count. There is deli
 no environment-variable escape hatch: exact mode refuses; the caller may choose
 kernels='stock' knowingly instead.
 
-The result (pass or failure) is cached per (dtype, torch thread count, head_dim), so
+The probe runs on `device` with what the dispatcher (kernels/dispatch.py) picks there:
+the CPU kernels for CPU tensors, the Triton ones on CUDA (or forced under the interpreter).
+The result (pass or failure) is cached per (dtype, torch thread count, head_dim, device
+type, backend), so
 repeated calls are free; `clear_cache()` forgets it. Attention is probed at the model's
 head_dim. `platform_choices()` names what exact mode chose here (bf16 GEMM form, padding
 rules). `ops=` substitutes functions to check (tests use it to prove a broken kernel is
@@ -31,46 +34,61 @@ class PlatformNotInvariant(RuntimeError):
     different sizes (or lengths) on this platform / dtype / thread count."""
 
 
-_CACHE: dict = {}  # (dtype, threads, head_dim) -> "quick" | "full" | PlatformNotInvariant
+_CACHE: dict = {}  # (dtype, threads, head_dim, device type, backend) -> "quick" | "full" | PlatformNotInvariant
 
 
 def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _default_ops() -> dict:
-    # Looked up at call time, so the functions exact mode actually calls are the ones checked.
-    from titan_rl.kernels.attention import torch_impl as attn
-    from titan_rl.kernels.lm_head import torch_impl as lm
-    from titan_rl.kernels.matmul import torch_impl as mm
-    from titan_rl.kernels.rmsnorm import torch_impl as rn
-
-    from titan_rl.kernels.elementwise import torch_impl as ew
-
-    return {"linear": mm.linear, "rms_norm": rn.rms_norm, "log_softmax_fp32": lm.log_softmax_fp32,
-            "lm_head_logits": lm.lm_head_logits, "attention_dense": attn.attention_dense,
-            "attention_paged": attn.attention_paged, "silu_mul": ew.silu_mul, "rope": ew.rope}
+PROBED = ("linear", "rms_norm", "log_softmax_fp32", "lm_head_logits", "attention_dense", "attention_paged",
+          "silu_mul", "rope")
 
 
-def platform_choices() -> dict:
+def _default_ops(device: torch.device | str = "cpu") -> dict:
+    # What the dispatcher picks for `device`, looked up at call time, so the functions
+    # exact mode actually calls are the ones checked.
+    from titan_rl.kernels import dispatch
+
+    return {name: dispatch.implementation(name, device) for name in (*PROBED, "kv_cache_write")}
+
+
+def platform_choices(device: torch.device | str = "cpu") -> dict:
     """The bit-relevant choices exact mode made for this platform (entries of the execution
-    contract, titan_rl/contract.py: parity JSON, metrics.jsonl, the report)."""
+    contract, titan_rl/contract.py: parity JSON, metrics.jsonl, the report): the
+    dispatcher's backend for `device` and that backend's fixed choices."""
+    from titan_rl.kernels import dispatch
+
+    backend = dispatch.backend_for(device)
+    if backend == "triton":
+        import triton
+
+        from titan_rl.kernels.attention import triton_impl as attn
+        from titan_rl.kernels.matmul import triton_impl as mm
+
+        kind = torch.device(device).type
+        return {"backend": backend, "triton": triton.__version__,
+                "device": torch.cuda.get_device_name(device) if kind == "cuda" else "triton interpreter (CPU)",
+                "linear_tiles": f"{mm.ROW_TILE}x{mm.BLOCK_N}x{mm.BLOCK_K}, no split-K, no autotune",
+                "attention": f"one kernel, KV blocks of {attn.BLOCK} at absolute positions, row tiles of "
+                             f"{attn.BLOCK_R}, block table read in the kernel",
+                "fp_fusion": False, "torch_threads": torch.get_num_threads()}
     from titan_rl.kernels.matmul import torch_impl as mm
 
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM, "bf16_gemm": mm.BF16_GEMM,
-            "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
+    return {"backend": backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM,
+            "bf16_gemm": mm.BF16_GEMM, "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
             "attention": "compiled, fixed order per row (kernels/csrc/paged_attention.cpp)",
             "elementwise": "compiled silu_mul; RoPE from a chunked table", "torch_threads": torch.get_num_threads()}
 
 
 class _Probe:
-    def __init__(self, dtype):
-        self.dtype = dtype
+    def __init__(self, dtype, device):
+        self.dtype, self.device = dtype, torch.device(device)
         self.threads = torch.get_num_threads()
         self.gen = torch.Generator().manual_seed(1234)
 
     def randn(self, *shape, dtype=None, scale=1.0):
-        return (scale * torch.randn(*shape, generator=self.gen)).to(dtype or self.dtype)
+        return (scale * torch.randn(*shape, generator=self.gen)).to(device=self.device, dtype=dtype or self.dtype)
 
     def fail(self, op, shape, dtype, what, got, want):
         diff = (got.double() - want.double()).abs().nan_to_num(float("inf"))
@@ -97,8 +115,8 @@ class _Probe:
                               got, full[sl])
 
 
-def _check(ops, dtype, quick, head_dim):
-    p = _Probe(dtype)
+def _check(ops, dtype, quick, head_dim, device):
+    p = _Probe(dtype, device)
     rows = QUICK_ROWS if quick else tuple(range(1, 131)) + (200, 257)
     # Odd K and N too: (200, 96) is an intermediate-200 down projection, (33, 8) a router.
     shapes = [(256, 384), (1024, 256), (200, 96), (33, 8)] if quick else \
@@ -121,7 +139,7 @@ def _check(ops, dtype, quick, head_dim):
     for width in (200, 1000) if quick else (7, 100, 200, 1000, 1536):  # not multiples of 16
         p.rows("silu_mul", lambda t: ops["silu_mul"](t[:, :width], t[:, width:]), p.randn(n_rows, 2 * width, scale=3.0),
                rows, f"[M, {width}]", dtype)
-    pos = torch.randint(0, 4096, (n_rows,), generator=p.gen)
+    pos = torch.randint(0, 4096, (n_rows,), generator=p.gen).to(p.device)
     x = p.randn(n_rows, 3, head_dim)
     full = ops["rope"](x, pos, 1e6)
     for m in rows:
@@ -146,18 +164,17 @@ def _check_attention(p, ops, dtype, quick, D):
         p.fail("attention_dense", shape, dtype, "one sequence alone differs from it inside a batch", got, full[1:2])
     # Paged cache (shuffled pages, NaN in unused slots): decode / chunked prefill == dense rows.
     n_pages = B * (-(-L // page)) + 1
-    kv = torch.full((n_pages, Hkv, 2, page, D), float("nan"), dtype=dtype)  # vLLM CPU layout
-    table = torch.randperm(n_pages, generator=p.gen)[: B * (-(-L // page))].view(B, -1)
-    pos = torch.arange(L)
-    from titan_rl.kernels.attention.torch_impl import kv_cache_write
-
+    dev = p.device
+    kv = torch.full((n_pages, Hkv, 2, page, D), float("nan"), dtype=dtype, device=dev)  # (keys, values)
+    table = torch.randperm(n_pages, generator=p.gen)[: B * (-(-L // page))].view(B, -1).to(dev)
+    pos = torch.arange(L, device=dev)
     for s in range(B):
-        kv_cache_write(kv, k[s], v[s], table[s, pos // page] * page + pos % page)
+        ops["kv_cache_write"](kv, k[s], v[s], table[s, pos // page] * page + pos % page)
     for t in (0, 1, 2, 3, 7, 31, 32, 63, 64, L - 1) if quick else range(L):
         spans = [(t, t + 1), (max(0, t - 6), t + 1), (0, t + 1)]  # decode, chunk, whole prefill
         qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
-        qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
-        out = ops["attention_paged"](qs, kv, qsl, torch.tensor([b for _, b in spans]), table, scale)
+        qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0).to(dev)
+        out = ops["attention_paged"](qs, kv, qsl, torch.tensor([b for _, b in spans], device=dev), table, scale)
         for s, (a, b) in enumerate(spans):
             got = out[qsl[s] : qsl[s + 1]]
             if not torch.equal(got, full[s, a:b]):
@@ -166,23 +183,26 @@ def _check_attention(p, ops, dtype, quick, D):
 
 
 def check_platform(dtype: torch.dtype = torch.bfloat16, quick: bool = True, *, head_dim: int = 128,
-                   ops: dict | None = None) -> None:
+                   ops: dict | None = None, device: torch.device | str = "cpu") -> None:
     """Raise PlatformNotInvariant unless exact mode's kernels are batch-invariant here for
     `dtype` at the current torch thread count (attention at `head_dim`, the model's; 128 for
     Qwen3). quick=True takes well under 2 s; quick=False sweeps more rows/shapes/lengths.
     `ops` overrides some of the checked functions by name (linear, rms_norm,
-    log_softmax_fp32, lm_head_logits, attention_dense, attention_paged); not cached."""
-    key = (dtype, torch.get_num_threads(), head_dim)
+    log_softmax_fp32, lm_head_logits, attention_dense, attention_paged); not cached.
+    `device`: the probe runs there, on what the dispatcher picks for it (kernels/dispatch.py)."""
+    from titan_rl.kernels import dispatch
+
+    key = (dtype, torch.get_num_threads(), head_dim, torch.device(device).type, dispatch.backend_for(device))
     if ops is None:
         hit = _CACHE.get(key)
         if isinstance(hit, PlatformNotInvariant):
             raise hit
         if hit == "full" or (hit == "quick" and quick):
             return
-    checked = {**_default_ops(), **(ops or {})}
+    checked = {**_default_ops(device), **(ops or {})}
     with torch.no_grad():
         try:
-            _check(checked, dtype, quick, head_dim)
+            _check(checked, dtype, quick, head_dim, device)
         except PlatformNotInvariant as e:
             if ops is None:
                 _CACHE[key] = e

@@ -4,7 +4,9 @@ The model files call `ops.linear`, `ops.rms_norm`, `ops.causal_attention`, `ops.
 `ops.gdn_recurrence`, ... and never look at the mode themselves: the table is chosen once,
 here, so "exact" cannot reach a stock function on some path (or the reverse).
 
-exact: titan_rl.kernels (batch-invariant; the rollout engine computes the same bits).
+exact: titan_rl.kernels (batch-invariant; the rollout engine computes the same bits): the
+dispatched ops of kernels/dispatch.py, which run the CPU or the Triton implementation by
+the device of their inputs, so a model moved to CUDA needs no other Ops.
 stock: plain torch (F.linear, SDPA, ATen elementwise ops, the chunkwise GDN form), for
 measuring what exactness costs and what it removes.
 
@@ -24,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm
-from titan_rl.kernels.elementwise import rope as rope_exact
-from titan_rl.kernels.elementwise import silu_mul
-from titan_rl.kernels.gdn import gdn_chunked, gdn_recurrent, l2norm, lane_stable
+from titan_rl.kernels import (attention_dense, gdn_recurrent, linear, linear_k_leaves, linear_n_blocks, lm_head_logits,
+                              rms_norm, silu_mul)
+from titan_rl.kernels import rope as rope_exact
+from titan_rl.kernels.gdn import gdn_chunked, l2norm, lane_stable
 from titan_rl.kernels.mode import KernelMode
 from titan_rl.kernels.quant.recipes import QUANT_LAYERS, QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager

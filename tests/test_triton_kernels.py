@@ -1,5 +1,7 @@
 """Triton kernels (kernels/*/triton_impl.py) under TRITON_INTERPRET=1 on CPU tensors:
-closeness to the reference (stated tolerance) and batch invariance (torch.equal).
+closeness to the reference (stated tolerance) and batch invariance (torch.equal); the
+model end to end on the dispatcher's Triton column (trainer dense forward == paged
+prefill + decode); vLLM's CUDA backend's metadata -> kernel arguments.
 
 The interpreter is 100-1000x slower than torch, so shapes are tiny but still cross
 every tile edge (rows > one row tile, K and N not multiples of the blocks, several KV
@@ -48,7 +50,7 @@ if IN_PROCESS:
     # these modules were imported before the variable was set, re-decorate them.
     mm, rn, attn = (importlib.reload(m) for m in (mm, rn, attn))
     lm = importlib.reload(lm)  # after mm: it binds mm.linear
-    from _triton_interp import pin_interpreter_dot
+    from titan_rl.kernels.interpreter import pin_interpreter_dot
 
     pin_interpreter_dot()  # tl.dot without the host BLAS's row-position dependence
 
@@ -189,3 +191,161 @@ def test_attention_paged_equals_dense_for_every_split(rng):
         out = attn.attention_paged(qs, kv, qsl, seq_lens, table, 0.25)
         for s, (a, b) in enumerate(spans):
             assert torch.equal(out[qsl[s] : qsl[s + 1]], dense[s, a:b]), (t, s)
+
+
+# -- the model end to end on the dispatcher's Triton column (kernels/dispatch.py) -------------
+
+def _tiny_model(seed):
+    from titan_rl.models import qwen3
+
+    cfg = qwen3.Qwen3Config(vocab_size=130, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    return qwen3.Qwen3ForCausalLM(cfg).init_weights(seed)
+
+
+def test_model_trainer_dense_equals_paged_decode_on_triton(rng, monkeypatch):
+    """Every op of the trainer's dense forward and of a paged prefill + decode (mixed
+    chunk lengths, shuffled NaN-filled pages) runs the Triton kernels: logits torch.equal.
+    The contract and the self-check name the Triton kernels."""
+    from titan_rl import contract
+    from titan_rl.kernels import dispatch, log_softmax_fp32, selfcheck
+    from titan_rl.paged_decode import paged_logits
+
+    m = _tiny_model(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    tokens = torch.randint(0, 130, (2, 9), generator=rng)
+    with dispatch.use_backend("triton"):
+        with torch.no_grad():
+            dense = m(tokens)
+        paged = paged_logits(m, tokens, prefill=3)
+        assert torch.equal(dense, paged)
+        assert torch.equal(log_softmax_fp32(dense), log_softmax_fp32(paged))
+        # the probe itself takes minutes under the interpreter; gpu_check.py runs it on a GPU
+        monkeypatch.setattr(contract, "check_platform", lambda *a, **k: None)
+        e = contract.contract_of(m).entries()
+        assert e["op.linear"] == "titan_rl.kernels.matmul.triton_impl.linear"
+        assert e["op.attention"] == "titan_rl.kernels.attention.triton_impl"
+        assert e["op.rope"] == "titan_rl.kernels.elementwise.triton_impl.rope"
+        assert e["platform.backend"] == "triton" and e["selfcheck"] == "passed"
+        probed = selfcheck._default_ops("cpu")
+        assert all(".triton_impl" in fn.__module__ for fn in probed.values())
+        # the trainer's backward runs through the Triton forwards
+        log_softmax_fp32(m(tokens[:1, :5])).mean().backward()
+    grads = [p.grad for p in m.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+# -- elementwise, MoE: reference and a row alone vs in batches (odd sizes) ----------------
+
+def _rows_invariant(fn, x, *rest, sizes=(1, 2, 5)):
+    full = fn(x, *rest)
+    for m in sizes:
+        assert torch.equal(fn(x[:m], *(r[:m] for r in rest)), full[:m]), m
+        assert torch.equal(fn(x[-m:], *(r[-m:] for r in rest)), full[-m:]), m
+    return full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_rope_match_reference_and_are_row_invariant(dtype, rng):
+    from titan_rl.kernels.elementwise import triton_impl as ew
+    from titan_rl.kernels.elementwise.reference import rope_reference, silu_mul_reference
+
+    g, u = (3 * torch.randn(11, 200, generator=rng)).to(dtype), torch.randn(11, 200, generator=rng).to(dtype)
+    y = _rows_invariant(ew.silu_mul, g, u)
+    torch.testing.assert_close(y, silu_mul_reference(g, u), rtol=TOL[dtype], atol=TOL[dtype])
+    x = torch.randn(9, 3, 32, generator=rng).to(dtype)
+    pos = torch.randint(0, 3000, (9,), generator=rng)
+    y = _rows_invariant(lambda a, p: ew.rope(a, p, 1e6), x, pos)
+    torch.testing.assert_close(y, rope_reference(x, pos, 1e6), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_moe_router_and_combine_match_reference_and_are_row_invariant(rng):
+    from titan_rl.kernels.moe import triton_impl as tm
+    from titan_rl.kernels.moe.reference import moe_experts_reference, router_topk_reference
+
+    T, H, E, k, inter = 13, 40, 7, 3, 24
+    x = torch.randn(T, H, generator=rng)
+    gate = torch.randn(E, H, generator=rng) / H**0.5
+    gate[3] = gate[5]  # a tie: the lower expert index first
+    w_gate, w_up, w_down = (torch.randn(E, inter, H, generator=rng) / H**0.5, torch.randn(E, inter, H, generator=rng)
+                            / H**0.5, torch.randn(E, H, inter, generator=rng) / inter**0.5)
+    w, ids = tm.router_topk(x, gate, k, True)
+    rw, rids = router_topk_reference(x, gate, k, True)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    assert all(list(r).index(3) < list(r).index(5) for r in ids.tolist() if 3 in r and 5 in r)
+    for m in (1, 4, T - 1):
+        wm, im = tm.router_topk(x[-m:], gate, k, True)
+        assert torch.equal(wm, w[-m:]) and torch.equal(im, ids[-m:]), m
+    from titan_rl.kernels.elementwise import triton_impl as ew
+
+    experts = [lambda xe, e=e: mm.linear(ew.silu_mul(mm.linear(xe, w_gate[e]), mm.linear(xe, w_up[e])), w_down[e])
+               for e in range(E)]
+    out = tm.moe_experts(x, ids, w, experts)
+    torch.testing.assert_close(out, moe_experts_reference(x, ids, w, w_gate, w_up, w_down), rtol=1e-4, atol=1e-4)
+    for m in (1, 2, 6):
+        assert torch.equal(tm.moe_experts(x[:m], ids[:m], w[:m], experts), out[:m]), m
+
+
+def test_top_k_top_p_drop_mask_matches_torch_impl_and_is_row_invariant(rng):
+    """No sort: bisection over the values' order. Top-k counts are exact, so it equals
+    torch_impl's mask; top-p may differ only where torch's sorted cumsum lies within
+    rounding of 1 - p. Ties (by token id), -inf entries and disabled rows included."""
+    from titan_rl.kernels.sampling import torch_impl as ts
+    from titan_rl.kernels.sampling import triton_impl as tsp
+
+    N, V = 7, 1100  # two vocab chunks, the second ragged
+    x = 3 * torch.randn(N, V, generator=rng)
+    x[1, 100:400] = x[1, 50]  # a long tie
+    x[2, :900] = float("-inf")
+    k = torch.tensor([5, 0, 37, V, 1, 300, 12])
+    p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.95, 0.7, 1.0])
+    got_k = tsp.drop_mask(x, k, None)
+    assert torch.equal(got_k, ts.drop_mask(x, k, None))
+    got = tsp.drop_mask(x, k, p)
+    want = ts.drop_mask(x, k, p)
+    differ = (got != want).nonzero()
+    if differ.numel():  # only at the top-p boundary, within fp32 rounding
+        xs = x.masked_fill(got_k, float("-inf"))
+        vals, idx = xs.sort(-1, stable=True)
+        cum = vals.softmax(-1).cumsum(-1)
+        rank = torch.empty_like(idx).scatter_(1, idx, torch.arange(V).expand(N, V))
+        for r, v in differ.tolist():
+            assert abs(float(cum[r, rank[r, v]]) - (1 - float(p[r]))) < 1e-5, (r, v)
+    assert not got[:, :].all(-1).any()  # something is always kept
+    for m in (1, 3):
+        assert torch.equal(tsp.drop_mask(x[-m:], k[-m:], p[-m:]), got[-m:]), m
+    assert torch.equal(tsp.drop_mask(x[3:4], k[3:4], p[3:4]), got[3:4])
+
+
+def test_vllm_cuda_backend_metadata_to_kernel_arguments(rng):
+    """titan_rl/vllm/attention_cuda.py on CPU: vLLM's GPU cache layout [blocks, Hkv, block,
+    2*D] with HND strides as a view the kernel reads, the Triton backend's metadata as the
+    kernel's arguments: a mixed decode / chunk / prefill step equals the dense rows."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    import titan_rl.kernels as K
+    from titan_rl.vllm import attention_cuda as ac
+
+    assert ac.TitanTritonAttentionBackend.get_builder_cls()._cudagraph_support == AttentionCGSupport.NEVER
+    assert ac.TitanTritonAttentionBackend.get_impl_cls().kernel is K.attention_paged
+    S, L, H, Hkv, D, page, n_blocks = 3, 21, 4, 2, 32, 16, 7
+    q, k, v = _qkv(rng, S, L, H, Hkv, D)
+    dense = attn.attention_dense(q, k, v, 0.3)
+    raw = torch.full((n_blocks, page, Hkv, 2 * D), float("nan")).permute(0, 2, 1, 3)  # HND strides
+    view = ac.cache_view(raw, D)
+    assert view.data_ptr() == raw.data_ptr() and view.shape == (n_blocks, Hkv, 2, page, D)
+    table = torch.randperm(n_blocks, generator=rng)[: S * 2].view(S, 2).to(torch.int32)
+    pos = torch.arange(L)
+    for s in range(S):
+        attn.kv_cache_write(view, k[s], v[s], table[s, pos // page].long() * page + pos % page)
+    spans = [(L - 1, L), (L - 6, L), (0, L)]
+    qs = torch.cat([q[s, a:b] for s, (a, b) in enumerate(spans)])
+    qsl = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0).to(torch.int32)
+    md = SimpleNamespace(num_actual_tokens=qs.shape[0], query_start_loc=qsl, block_table=table,
+                         seq_lens=torch.tensor([b for _, b in spans], dtype=torch.int32), max_query_len=L)
+    padded = torch.cat([qs, torch.zeros(3, H, D)])  # vLLM pads the step; rows past num_actual_tokens
+    out = attn.attention_paged(**ac.kernel_args(padded, raw, md, D, 0.3))
+    for s, (a, b) in enumerate(spans):
+        assert torch.equal(out[qsl[s]: qsl[s + 1]], dense[s, a:b]), s

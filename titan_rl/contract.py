@@ -15,15 +15,18 @@ Entries (flat names, `Contract.entries()`; canonical JSON -> sha256 = `Contract.
   gradient_leaves       a slot for a choice not built yet: "none"
   quantization          "<recipe>:<layer groups>" the model's linears run (kernels/quant), "none";
                         a stock engine: "vllm:<its quantization method>"
-  op.<name>             the function each mode-dependent op calls (Ops); op.attention names
-                        the kernel module, because the trainer's dense and the engine's paged
-                        entry points are one compiled kernel
+  op.<name>             the function each mode-dependent op calls (Ops), as the kernel
+                        dispatcher resolves it for the model's device (kernels/dispatch.py:
+                        torch_impl on CPU, triton_impl on CUDA); op.attention names the
+                        kernel module, because the trainer's dense and the engine's paged
+                        entry points are one kernel
   op.fuse_same_input    q/k/v and gate/up as one GEMM each
   source.kernels        sha256 of kernels/**/*.py
   source.csrc           sha256 of kernels/csrc/* and the extension's build flags
-  platform.<choice>     kernels.selfcheck.platform_choices(): GEMM, bf16 form, padding rules,
+  platform.<choice>     kernels.selfcheck.platform_choices(device): the dispatcher's backend
+                        and its choices (GEMM, bf16 form, padding rules / Triton tiles),
                         torch threads
-  selfcheck             the platform self-check at (dtype, threads, head_dim): "passed",
+  selfcheck             the platform self-check at (dtype, threads, head_dim, device): "passed",
                         "failed: ..." or "not run (stock)"
   version.<package>     torch, vllm, torchtitan, torchao ("absent" where not installed)
 
@@ -50,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from titan_rl.kernels import cpu_ext
+from titan_rl.kernels import cpu_ext, dispatch
 from titan_rl.kernels.selfcheck import PlatformNotInvariant, check_platform, platform_choices
 from titan_rl.registry import architecture_of, get_architecture, list_architectures
 from titan_rl.validation import RunStopped, one_line
@@ -154,14 +157,16 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
     `ops.causal_attention`; the engine passes the kernel its attention backend calls)."""
     ops, cfg = model.ops, model.cfg
     dtype = dtype or _param_dtype(model)
-    named = {name: _qualname(getattr(ops, name)) for name in OPS}
-    named["attention"] = (attention or ops.causal_attention).__module__
+    device = _param_device(model)
+    named = {name: _qualname(dispatch.resolve(getattr(ops, name), device)) for name in OPS}
+    named["attention"] = dispatch.resolve(attention or ops.causal_attention, device).__module__
     named["fuse_same_input"] = bool(ops.fuse_same_input)
     return Contract(
         arch=architecture_of(model).name, model_config=_config_hash(cfg), kernels=ops.kernels,
         dtype=_dtype_name(dtype), tp_leaves=int(ops.tp_leaves), ops=named, sources=kernel_sources(),
-        platform=platform_choices(), selfcheck=_selfcheck(ops.kernels, dtype, getattr(cfg, "head_dim", 128)),
-        versions=versions(), quantization=_quantization(ops))
+        platform=platform_choices(device),
+        selfcheck=_selfcheck(ops.kernels, dtype, getattr(cfg, "head_dim", 128), device), versions=versions(),
+        quantization=_quantization(ops))
 
 
 def engine_contract(llm) -> Contract:
@@ -197,7 +202,7 @@ def _builtin_contract(model_config, model: torch.nn.Module) -> Contract:
         arch=specs[0].name, model_config=_config_hash(specs[0].config_from_hf(hf_config.to_dict())),
         kernels="stock", dtype=_dtype_name(model_config.dtype), tp_leaves=0,
         ops={name: builtin for name in (*OPS, "attention", "fuse_same_input")}, sources=kernel_sources(),
-        platform=platform_choices(), selfcheck=STOCK_SELFCHECK, versions=versions(),
+        platform=platform_choices(_param_device(model)), selfcheck=STOCK_SELFCHECK, versions=versions(),
         quantization=f"vllm:{method}" if (method := getattr(model_config, "quantization", None)) else NOT_BUILT)
 
 
@@ -223,6 +228,12 @@ def _param_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtypes.pop()
 
 
+def _param_device(model: torch.nn.Module) -> torch.device:
+    """The device the model computes on (a model still on the meta device counts as CPU)."""
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None or p.device.type == "meta" else p.device
+
+
 def _config_hash(cfg) -> str:
     d = dataclasses.asdict(cfg)
     for own_entry in ("tp_leaves", "quant_recipe", "quant_layers"):  # their own entries
@@ -230,11 +241,11 @@ def _config_hash(cfg) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _selfcheck(kernels: str, dtype: torch.dtype, head_dim: int) -> str:
+def _selfcheck(kernels: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
     if kernels != "exact":
         return STOCK_SELFCHECK
     try:
-        check_platform(dtype, head_dim=head_dim)  # cached per (dtype, threads, head_dim)
+        check_platform(dtype, head_dim=head_dim, device=device)  # cached per (dtype, threads, head_dim, device)
     except PlatformNotInvariant as e:
         return f"failed: {one_line(e)[:160]}"
     return "passed"

@@ -1,152 +1,162 @@
-"""Fixed-block attention in Triton (a different algorithm from the CPU kernel; docs/kernels.md).
+"""Causal attention in Triton: ONE kernel for the trainer's dense forward and the engine's
+paged prefill, chunked prefill and decode (a different algorithm from the CPU kernel;
+docs/kernels.md).
 
-One program per (sequence, kv head, tile of BLOCK_R query rows). KV is visited in blocks
-at ABSOLUTE offsets [j*BLOCK, (j+1)*BLOCK), in order j = 0, 1, ..., in two passes, all fp32:
+One program per (sequence, kv head, tile of BLOCK_R query rows); a row is one (query
+token, head of the kv head's group). The program reads its queries from the flat stream
+and the keys/values through the block table, inside the kernel: position p of sequence s
+lives in page block_table[s, p // PAGE] at offset p % PAGE, with any strides. The
+trainer's dense k/v are such a cache with one page of L positions per sequence, vLLM's
+GPU cache one of `block_size` positions; no gather or copy in torch.
+
+KV is visited in blocks at ABSOLUTE positions [j*BLOCK, (j+1)*BLOCK), j = 0, 1, ..., in
+two passes, all fp32 accumulation:
   1. m = the row max of all visible scores (max is exact in any order);
   2. per block p = exp(s - m), l += sum_j(p), acc += p @ V_j, strictly in block order.
-Why the bits do not depend on batch, length or split:
-  * a row's arithmetic touches only its own q, its own position and the KV blocks; the
-    other rows of its tile only share the tl.dot instruction, whose per-element sum over
-    D (scores) or BLOCK (values) has a fixed order;
-  * masked positions (future, or past kv_len / uninitialised cache) get score -inf and
-    value 0 (masked loads never read the memory, so NaN garbage cannot leak in), hence
-    p = 0 and their contribution is exactly 0;
-  * a block entirely in a row's future adds exactly 0, so the loops may stop at
-    cdiv(kv_len, BLOCK) without changing any row's bits.
+Why the bits do not depend on batch, length, split or page size:
+  * a row's arithmetic touches only its own q, its own position and the KV blocks at
+    fixed absolute positions; the other rows of its tile only share the tl.dot
+    instruction, whose per-element sum over D (scores) or BLOCK (values) has a fixed order;
+  * masked positions (future, or past seq_len / uninitialised cache) get score -inf and
+    value 0 (masked loads never read memory, so NaN garbage cannot leak in): p = 0 and
+    their contribution is exactly 0;
+  * a block entirely in the future of every row of the tile adds exactly 0, so the loop
+    stops at the tile's last position without changing any row's bits.
 Scores are recomputed in pass 2 instead of stored: same bits, no scratch memory.
-Row layout (GQA grouping, pad rows with position -1) and the paged-cache gather are
-torch data movement (below); the arithmetic is the kernel. A production GPU kernel would
-read the block table inside the program; the arithmetic would be the same.
+Backward (trainer): the gradient of the same function by SDPA (kernels/autograd.py).
 """
 
+from __future__ import annotations
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from titan_rl.kernels.autograd import with_eager_backward
+
 BLOCK = 32  # KV positions per block, at absolute offsets
-ROW_MULTIPLE = 8  # rows per sequence padded to this (the row layout below)
-
-BLOCK_R = 16  # query rows per program (tl.dot needs >= 16); fixed, never from R
-
-
-def _to_rows(q, q_pos, hkv):
-    """q [S, Q, H, D], q_pos [S, Q] -> rows [S, Hkv, R, D] (R = Q*G padded), row positions."""
-    S, Q, H, D = q.shape
-    g = H // hkv
-    rows = q.float().view(S, Q, hkv, g, D).permute(0, 2, 1, 3, 4).reshape(S, hkv, Q * g, D)
-    pos = q_pos[:, :, None].expand(S, Q, g).reshape(S, Q * g)
-    pad = (-(Q * g)) % ROW_MULTIPLE
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(S, hkv, pad, D)], 2)
-        pos = torch.cat([pos, pos.new_full((S, pad), -1)], 1)
-    return rows, pos
-
-
-def _from_rows(out, S, Q, H, D, hkv, dtype):
-    g = H // hkv
-    out = out[:, :, : Q * g].reshape(S, hkv, Q, g, D).permute(0, 2, 1, 3, 4)
-    return out.reshape(S, Q, H, D).to(dtype)
-
+BLOCK_R = 16  # query rows per program (tl.dot needs >= 16); fixed, never from the batch
 
 
 @triton.jit
-def _blocked_core_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, kvlen_ptr, o_ptr, HKV, R, D, scale,
-                         sq_s, sq_h, sq_r, sq_d, sk_s, sk_h, sk_p, sk_d, sv_s, sv_h, sv_p, sv_d,
-                         sp_s, sp_r, so_s, so_h, so_r, so_d,
-                         BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    s = pid // HKV
-    h = pid % HKV
-    rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, seqlen_ptr, bt_ptr, HKV, G, D, PAGE, scale,
+                      sq_t, sq_h, sq_d, sk_b, sk_h, sk_p, sk_d, sv_b, sv_h, sv_p, sv_d, sbt, so_t, so_h, so_d,
+                      BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    s = tl.program_id(0) // HKV
+    h = tl.program_id(0) % HKV
+    q_start = tl.load(qsl_ptr + s)
+    qlen = tl.load(qsl_ptr + s + 1) - q_start
+    kv_len = tl.load(seqlen_ptr + s)
+    r0 = tl.program_id(1) * BLOCK_R
+    rr = r0 + tl.arange(0, BLOCK_R)
     dd = tl.arange(0, BLOCK_D)
     bb = tl.arange(0, BLOCK)
-    rmask = rr < R
+    rmask = rr < qlen * G
     dmask = dd < D
-    q = tl.load(q_ptr + s * sq_s + h * sq_h + rr[:, None] * sq_r + dd[None, :] * sq_d,
-                mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    qpos = tl.load(pos_ptr + s * sp_s + rr * sp_r, mask=rmask, other=-1)
-    kv_len = tl.load(kvlen_ptr + s)
-    nblocks = tl.cdiv(kv_len, BLOCK)
+    tok = q_start + rr // G
+    head = h * G + rr % G
+    qpos = tl.where(rmask, kv_len - qlen + rr // G, -1)
+    q = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dd[None, :] * sq_d,
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    # blocks up to the tile's last row position (later blocks would add exactly 0)
+    last = tl.minimum(r0 + BLOCK_R, qlen * G) - 1
+    hi = tl.where(r0 < qlen * G, kv_len - qlen + last // G + 1, 0)
+    nblocks = tl.cdiv(hi, BLOCK)
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     for j in range(0, nblocks):  # pass 1: row max over visible scores
         kpos = j * BLOCK + bb
         in_cache = kpos < kv_len
-        kt = tl.load(k_ptr + s * sk_s + h * sk_h + kpos[:, None] * sk_p + dd[None, :] * sk_d,
-                     mask=in_cache[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_R, BLOCK]
+        page = tl.load(bt_ptr + s * sbt + kpos // PAGE, mask=in_cache, other=0).to(tl.int64)
+        off = kpos % PAGE
+        kt = tl.load(k_ptr + page[:, None] * sk_b + h * sk_h + off[:, None] * sk_p + dd[None, :] * sk_d,
+                     mask=in_cache[:, None] & dmask[None, :], other=0.0)
+        sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_R, BLOCK] fp32
         sc = tl.where((kpos[None, :] <= qpos[:, None]) & in_cache[None, :], sc, float("-inf"))
         m = tl.maximum(m, tl.max(sc, axis=1))
-    m = tl.where(m == float("-inf"), 0.0, m)  # rows with nothing visible (padding)
+    m = tl.where(m == float("-inf"), 0.0, m)  # rows with nothing visible (masked rows)
     l = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     for j in range(0, nblocks):  # pass 2: blocks summed strictly in order
         kpos = j * BLOCK + bb
         in_cache = kpos < kv_len
         kvmask = in_cache[:, None] & dmask[None, :]
-        kt = tl.load(k_ptr + s * sk_s + h * sk_h + kpos[:, None] * sk_p + dd[None, :] * sk_d,
-                     mask=kvmask, other=0.0).to(tl.float32)
+        page = tl.load(bt_ptr + s * sbt + kpos // PAGE, mask=in_cache, other=0).to(tl.int64)
+        off = kpos % PAGE
+        kt = tl.load(k_ptr + page[:, None] * sk_b + h * sk_h + off[:, None] * sk_p + dd[None, :] * sk_d,
+                     mask=kvmask, other=0.0)
         sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale
         sc = tl.where((kpos[None, :] <= qpos[:, None]) & in_cache[None, :], sc, float("-inf"))
         p = tl.exp(sc - m[:, None])
-        vj = tl.load(v_ptr + s * sv_s + h * sv_h + kpos[:, None] * sv_p + dd[None, :] * sv_d,
-                     mask=kvmask, other=0.0).to(tl.float32)
+        vj = tl.load(v_ptr + page[:, None] * sv_b + h * sv_h + off[:, None] * sv_p + dd[None, :] * sv_d,
+                     mask=kvmask, other=0.0)
         l = l + tl.sum(p, axis=1)
-        acc = acc + tl.dot(p, vj, input_precision="ieee")  # pv_j, then added (as torch_impl)
+        acc = acc + tl.dot(p.to(vj.dtype), vj, input_precision="ieee")  # pv_j, then added
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(o_ptr + s * so_s + h * so_h + rr[:, None] * so_r + dd[None, :] * so_d, out,
-             mask=rmask[:, None] & dmask[None, :])
+    tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-def _blocked_core(q, k, v, q_pos, kv_len, scale):
-    """q [S, Hkv, R, D] fp32; k/v [S, Hkv, P, D] position-major (any strides, any float
-    dtype, P >= kv_len; torch_impl's [.., NB, BLOCK, D] flattened); q_pos [S, R] (-1 = pad
-    row); kv_len [S]. Returns fp32 [S, Hkv, R, D]."""
-    S, Hkv, R, D = q.shape
-    out = q.new_empty(S, Hkv, R, D, dtype=torch.float32)
-    if S * Hkv * R == 0:
+def attention_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                 seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                 max_query_len: int | None = None) -> torch.Tensor:
+    """The kernel's entry point. q [T, H, D] flat; k_cache / v_cache [num_pages, Hkv, page, D]
+    (any strides); query_start_loc [S+1]; seq_lens [S] (KV length including this step's
+    tokens; sequence s's queries are its last qlen positions); block_table [S, max_pages];
+    max_query_len: the longest qlen (read from the tensors when None). Returns [T, H, D]
+    in q's dtype (rows of no sequence are left unwritten)."""
+    T, H, D = q.shape
+    n_pages, hkv, page, _ = k_cache.shape
+    S = seq_lens.shape[0]
+    out = q.new_empty(T, H, D)
+    if S == 0 or T == 0:
         return out
-    grid = (S * Hkv, triton.cdiv(R, BLOCK_R))
-    _blocked_core_kernel[grid](q, k, v, q_pos, kv_len, out, Hkv, R, D, scale,
-                               *q.stride(), *k.stride(), *v.stride(), *q_pos.stride(), *out.stride(),
-                               BLOCK=BLOCK, BLOCK_R=BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(D)), enable_fp_fusion=False)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    g = H // hkv
+    grid = (S * hkv, triton.cdiv(max_query_len * g, BLOCK_R))
+    _attention_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, hkv, g, D, page, scale,
+                            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(),
+                            BLOCK=BLOCK, BLOCK_R=BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                            enable_fp_fusion=False)
     return out
 
 
-def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Trainer path. q [B, L, H, D], k/v [B, L, Hkv, D], causal from position 0."""
+def _attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     B, L, H, D = q.shape
-    hkv = k.shape[2]
-    q_pos = torch.arange(L, device=q.device).expand(B, L)
-    rows, pos = _to_rows(q, q_pos, hkv)
-    kv_len = torch.full((B,), L, device=q.device, dtype=torch.long)
-    # k/v read in place as [B, Hkv, L, D] views: positions >= L are masked loads (no padding copy).
-    out = _blocked_core(rows, k.transpose(1, 2), v.transpose(1, 2), pos.contiguous(), kv_len, scale)
-    return _from_rows(out, B, L, H, D, hkv, q.dtype)
+    dev = q.device
+    qsl = torch.arange(B + 1, device=dev, dtype=torch.int32) * L
+    seq_lens = torch.full((B,), L, device=dev, dtype=torch.int32)
+    pages = torch.arange(B, device=dev, dtype=torch.int32)[:, None]
+    # k/v [B, L, Hkv, D] read in place as a cache of one L-position page per sequence.
+    out = attention_kv(q.reshape(B * L, H, D), k.transpose(1, 2), v.transpose(1, 2), qsl, seq_lens, pages, scale, L)
+    return out.view(B, L, H, D)
 
 
-def attention_paged(q, kv_cache, query_start_loc, seq_lens, block_table, scale):
-    """Engine path, same contract as torch_impl.attention_paged: flat q [T, H, D];
-    kv_cache [num_pages, Hkv, 2, page, D] (keys, values); query_start_loc [S+1];
-    seq_lens [S]; block_table [S, max_pages]. Returns [T, H, D]."""
-    T, H, D = q.shape
-    hkv, page = kv_cache.shape[1], kv_cache.shape[3]
-    assert page % BLOCK == 0, f"KV page size {page} must be a multiple of the attention block {BLOCK}"
-    S = seq_lens.shape[0]
-    seq_lens = seq_lens.long().contiguous()
-    qsl = query_start_loc.long()
-    qlens = qsl[1:] - qsl[:-1]
-    Q = int(qlens.max()) if S else 0
-    n_pages = -(-int(seq_lens.max()) // page) if S else 0
-    ar = torch.arange(Q, device=q.device)
-    idx = (qsl[:-1, None] + ar[None, :]).clamp(max=T - 1)
-    qvalid = ar[None, :] < qlens[:, None]
-    q_pos = torch.where(qvalid, seq_lens[:, None] - qlens[:, None] + ar[None, :], -1)
-    # [2, S, Hkv, n_pages*page, D]: keys / values at absolute positions, in order.
-    kv = kv_cache[block_table[:, :n_pages].long()].permute(3, 0, 2, 1, 4, 5)
-    kv = kv.reshape(2, S, hkv, n_pages * page, D)
-    rows, pos = _to_rows(q[idx], q_pos, hkv)
-    out = _blocked_core(rows, kv[0], kv[1], pos.contiguous(), seq_lens, scale)
-    out = _from_rows(out, S, Q, H, D, hkv, q.dtype)
-    result = q.new_empty(T, H, D)
-    result[idx[qvalid]] = out[qvalid]
-    return result
+def _sdpa_causal(q, k, v, scale):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                          scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+
+
+# Trainer path. q [B, L, H, D], k/v [B, L, Hkv, D], causal from position 0.
+attention_dense = with_eager_backward(_attention_dense, _sdpa_causal)
+
+
+def attention_paged(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, scale: float, max_query_len: int | None = None) -> torch.Tensor:
+    """Engine path, torch_impl.attention_paged's contract: flat q [T, H, D]; kv_cache
+    [num_pages, Hkv, 2, page, D] (keys, values; any strides: vLLM's GPU cache is passed as
+    a view, titan_rl/vllm/attention_cuda.py); query_start_loc [S+1]; seq_lens [S];
+    block_table [S, max_pages]. Returns [T, H, D]."""
+    return attention_kv(q, kv_cache[:, :, 0], kv_cache[:, :, 1], query_start_loc, seq_lens, block_table, scale,
+                        max_query_len)
+
+
+def kv_cache_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store key/value [n, Hkv, D] of n tokens at cache slots [n] (page * page_size +
+    offset, all >= 0) of kv_cache [num_pages, Hkv, 2, page, D] (any strides)."""
+    page_size = kv_cache.shape[3]
+    slots = slots.long()
+    pages, offs = slots // page_size, slots % page_size
+    kv_cache[pages, :, 0, offs] = key.to(kv_cache.dtype)
+    kv_cache[pages, :, 1, offs] = value.to(kv_cache.dtype)

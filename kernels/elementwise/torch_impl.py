@@ -70,7 +70,7 @@ def _table(d: int, theta: float, n: int, device) -> list:
     return t
 
 
-def _tables(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
+def rope_tables(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
     """The cos/sin tables [P, d] in `dtype` (HF: computed in fp32, cast) covering positions."""
     n = int(positions.max()) + 1 if positions.numel() else 1
     t = _table(d, theta, n, positions.device)
@@ -81,7 +81,7 @@ def _tables(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
 
 def rope_cos_sin(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, 1, d] for the positions, in `dtype`."""
-    cos, sin = _tables(positions, d, theta, dtype)
+    cos, sin = rope_tables(positions, d, theta, dtype)
     idx = positions.long()
     return cos[idx][:, None, :], sin[idx][:, None, :]
 
@@ -91,7 +91,7 @@ class _Rope(torch.autograd.Function):
     def forward(ctx, x, positions, theta):
         ctx.save_for_backward(positions)
         ctx.theta = theta
-        cos, sin = _tables(positions, x.shape[-1], theta, x.dtype)
+        cos, sin = rope_tables(positions, x.shape[-1], theta, x.dtype)
         return _ops().rope(x, cos, sin, positions)
 
     @staticmethod
@@ -108,5 +108,5 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     dtype) on x [T, heads, d]: one compiled call, cos/sin rows read from the table."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, positions, theta)
-    cos, sin = _tables(positions, x.shape[-1], theta, x.dtype)
+    cos, sin = rope_tables(positions, x.shape[-1], theta, x.dtype)
     return _ops().rope(x, cos, sin, positions)

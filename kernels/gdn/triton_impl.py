@@ -14,8 +14,8 @@ Why the bits do not depend on batch, length or split:
     decode (any split) equals one call;
   * enable_fp_fusion=False at launch: no FMA contraction, whatever the environment says.
 Not bit-equal to torch_impl (different reduction tree): both engines must call the same
-implementation on a platform. Forward only (no backward here: the trainer's backward is
-gdn_chunked's, see torch_impl).
+implementation on a platform. The backward is torch_impl's (gdn_chunked recomputed under
+autograd): only the forward has to match the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from titan_rl.kernels.gdn.torch_impl import _GDNRecurrent
 
 BLOCK_V = 16  # value columns per program; fixed (never chosen from the batch)
 
@@ -63,8 +65,8 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, cu_ptr, s0_ptr, o_p
     tl.store(sN_ptr + s_off, S, mask=smask)
 
 
-def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
-    """Same contract as torch_impl.gdn_recurrent (forward only): q, k [T, Hk, dk];
+def _gdn_forward(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
+    """The kernel's launch: q, k [T, Hk, dk];
     v [T, Hv, dv]; g, beta [T, Hv]; cu_seqlens [N+1] (length-0 sequences allowed);
     initial_state [N, Hv, dk, dv] or None. Returns (o [T, Hv, dv] in v's dtype,
     final_state [N, Hv, dk, dv] fp32)."""
@@ -87,3 +89,23 @@ def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
                                     HAS_S0=initial_state is not None, BLOCK_K=triton.next_power_of_2(dk),
                                     BLOCK_V=BLOCK_V, enable_fp_fusion=False)
     return o.to(v.dtype), sN
+
+
+class _GDNTriton(_GDNRecurrent):
+    """torch_impl's autograd Function with this kernel as the forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size):
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return _gdn_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, chunk_size=64):
+    """Same contract as torch_impl.gdn_recurrent (chunk_size is the backward's)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    args = (q, k, v, g, beta, initial_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
+        return _GDNTriton.apply(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size)
+    return _gdn_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale)

@@ -5,6 +5,7 @@ The log-softmax is one program per row: pass 1 walks the vocabulary in chunks of
 BLOCK_V from 0 upwards with an online max / rescaled sum (a fixed order that depends on
 V only), giving lse = m + log(sum); pass 2 writes x - lse. A program never sees another
 row and there is no split over programs, so a row's bits do not depend on the row count.
+Backward: eager log_softmax's gradient (kernels/autograd.py).
 (Not bit-equal to eager torch's log_softmax, whose reduction tree differs; the rule is
 that both engines call the same implementation on a platform.)
 """
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_rl.kernels.autograd import with_eager_backward
 from titan_rl.kernels.matmul.triton_impl import linear
 
 BLOCK_V = 1024  # fixed vocab chunk; never chosen from the row count
@@ -43,13 +45,20 @@ def lm_head_logits(hidden: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Ten
     return linear(hidden.float(), weight_fp32)
 
 
-def log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
+def _log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
     V = logits.shape[-1]
     x2 = logits.reshape(-1, V).contiguous()
     y = torch.empty(x2.shape, dtype=torch.float32, device=logits.device)
     if x2.shape[0]:
         _log_softmax_kernel[(x2.shape[0],)](x2, y, V, x2.stride(0), y.stride(0), BLOCK_V=BLOCK_V, enable_fp_fusion=False)
     return y.reshape(logits.shape)
+
+
+def _log_softmax_eager(logits):
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+log_softmax_fp32 = with_eager_backward(_log_softmax_fp32, _log_softmax_eager)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ BLOCK_N = 64
 BLOCK_K = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count (no M == 1 or M % 16 variant)
 def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -46,9 +46,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
              acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, row_tile: int = ROW_TILE) -> torch.Tensor:
-    """y = x @ weight^T, each output row independent of the number of rows.
-    row_tile is the fixed BLOCK_M (a power of two >= 16 for tl.dot)."""
+def _linear(x: torch.Tensor, weight: torch.Tensor, row_tile: int = ROW_TILE) -> torch.Tensor:
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -61,3 +59,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_tile: int = ROW_TILE) -> t
                              y.stride(0), y.stride(1),
                              BLOCK_M=row_tile, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, enable_fp_fusion=False)
     return y.reshape(*lead, n)
+
+
+class _Linear(torch.autograd.Function):
+    """Forward: the fixed-tile kernel. Backward: the ordinary GEMMs (only the forward
+    has to match the engine)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        gx = grad @ weight.to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype) \
+            if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, row_tile: int = ROW_TILE) -> torch.Tensor:
+    """y = x @ weight^T, each output row independent of the number of rows.
+    row_tile is the fixed BLOCK_M (a power of two >= 16 for tl.dot)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Linear.apply(x, weight)
+    return _linear(x, weight, row_tile)
+
+
+def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The engine's weight prepared once per load: detached and contiguous (the kernel
+    reads any strides; contiguous rows load in full cache lines)."""
+    return weight.detach().contiguous()

@@ -73,15 +73,24 @@ def router_topk(
     the router's own choice); the weights are still the current
     router's probabilities of those experts (renormalised when norm_topk_prob), so the
     gate keeps its gradient."""
-    E = gate_weight.shape[0]
-    if not 1 <= k <= E:
-        raise ValueError(f"top-k = {k} must be in 1..num_experts ({E})")
-    logits = linear_fn(hidden.float(), gate_weight.float())
-    probs = torch.softmax(logits, dim=-1)
-    own = _topk_lowest_index(probs, k)
+    check_k(k, gate_weight.shape[0])
+    probs = torch.softmax(linear_fn(hidden.float(), gate_weight.float()), dim=-1)
+    return routes(probs, _topk_lowest_index(probs, k), norm_topk_prob, route_override, return_probs)
+
+
+def check_k(k: int, n_experts: int) -> None:
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"top-k = {k} must be in 1..num_experts ({n_experts})")
+
+
+def routes(probs: torch.Tensor, own: torch.Tensor, norm_topk_prob: bool, route_override: torch.Tensor | None,
+           return_probs: bool):
+    """router_topk's result from the fp32 probabilities [T, E] and the router's own top-k
+    ids [T, k] (shared by both implementations: gathers and elementwise ops only)."""
+    E, k = probs.shape[1], own.shape[1]
     ids = own
     if route_override is not None:
-        T = hidden.shape[0]
+        T = probs.shape[0]
         if tuple(route_override.shape) != (T, k):
             raise ValueError(f"route_override has shape {tuple(route_override.shape)}, expected {(T, k)}")
         forced = route_override.to(device=probs.device, dtype=torch.long)
@@ -124,6 +133,12 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     experts[e] maps the rows routed to expert e ([n_e, H]) to their outputs; it must be
     row-wise (the invariant `linear` is). Token t's result is
     sum_{j = 0..k-1} weights[t, j] * experts[ids[t, j]](x[t]), summed in fp32 in slot order."""
+    return combine(by_expert(x, ids, experts), weights, x.dtype)
+
+
+def by_expert(x: torch.Tensor, ids: torch.Tensor, experts: Sequence[ExpertFn]) -> torch.Tensor:
+    """[T, k, H]: slot j of token t holds experts[ids[t, j]](x[t]); tokens grouped by
+    expert (experts visited 0..E-1), each result put back in place (a gather, no sums)."""
     T, H = x.shape
     k = ids.shape[1]
     flat = ids.reshape(-1)  # (token, slot) pairs, row-major: pair p = t * k + j
@@ -135,16 +150,20 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         pieces.append(expert(x.index_select(0, rows // k)))
         order.append(rows)
     if not pieces:
-        return x.new_zeros(T, H)
+        return x.new_zeros(T, k, H)
     y = torch.cat(pieces)
     inverse = torch.empty_like(flat)
     inverse[torch.cat(order)] = torch.arange(flat.numel(), device=flat.device)
-    y = y.index_select(0, inverse).view(T, k, H).float()
-    w = weights.float()
+    return y.index_select(0, inverse).view(T, k, H)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weights[:, j] * y[:, j] in fp32, slots in order 0..k-1, cast once to dtype."""
+    y, w = y.float(), weights.float()
     acc = y[:, 0] * w[:, 0, None]
-    for j in range(1, k):
+    for j in range(1, y.shape[1]):
         acc = acc + y[:, j] * w[:, j, None]
-    return acc.to(x.dtype)
+    return acc.to(dtype)
 
 
 def load_balancing_loss(probs: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], n_experts: int) -> torch.Tensor:

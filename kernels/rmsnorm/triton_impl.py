@@ -7,11 +7,15 @@ depend on how many rows there are (no split reduction across programs).
 
 Semantics as torch_impl: x -> fp32, mean of squares, multiply by rsqrt(ms + eps),
 round to x.dtype, then multiply by weight with the result in the promoted dtype.
+Backward: the gradient of rms_norm_eager (kernels/autograd.py).
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from titan_rl.kernels.autograd import with_eager_backward
+from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
 
 
 @triton.jit
@@ -29,7 +33,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps,
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
     y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -37,3 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, n, x2.stride(0), y.stride(0), eps,
                                         BLOCK_N=triton.next_power_of_2(n), enable_fp_fusion=False)
     return y.reshape(x.shape)
+
+
+rms_norm = with_eager_backward(_rms_norm, rms_norm_eager)

@@ -26,11 +26,16 @@ from __future__ import annotations
 
 import torch
 
+from titan_rl.kernels.dispatch import Dispatched
+
 NEG_INF = float("-inf")
+_dispatched_drop_mask = Dispatched("drop_mask")
+# the function vLLM's sampler records its log-probs with (titan_rl.vllm.sampling.install_logprobs)
+_dispatched_log_softmax = Dispatched("log_softmax_fp32")
 GREEDY_EPS = 1e-5  # vllm/v1/sample/sampler.py _SAMPLING_EPS
 
 
-def _per_row(x, n: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+def per_row(x, n: int, dtype: torch.dtype, device) -> torch.Tensor | None:
     if x is None:
         return None
     t = torch.as_tensor(x, dtype=dtype, device=device).reshape(-1)
@@ -47,8 +52,8 @@ def drop_mask(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | No
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
     N, V = logits.shape
-    k = _per_row(k, N, torch.long, logits.device)
-    p = _per_row(p, N, torch.float32, logits.device)
+    k = per_row(k, N, torch.long, logits.device)
+    p = per_row(p, N, torch.float32, logits.device)
     use_k = None if k is None else (k > 0) & (k < V)
     use_p = None if p is None else p < 1
     if (use_k is None or not bool(use_k.any())) and (use_p is None or not bool(use_p.any())):
@@ -75,10 +80,11 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     """logits [N, V] fp32 -> the same logits with the top-k / top-p rejects set to -inf.
 
     Drop-in for vLLM's module-level `apply_top_k_top_p(logits, k, p)` (returns a new
-    tensor; vLLM's callers use the return value)."""
+    tensor; vLLM's callers use the return value). The mask is the dispatched `drop_mask`
+    (kernels/dispatch.py: this module's on CPU, sampling/triton_impl.py's on CUDA)."""
     if k is None and p is None:
         return logits
-    return logits.masked_fill(drop_mask(logits, k, p), NEG_INF)
+    return logits.masked_fill(_dispatched_drop_mask(logits, k, p), NEG_INF)
 
 
 def kept_mask(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -91,7 +97,7 @@ def scale_by_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:
     """vLLM's Sampler.apply_temperature for all-random batches: logits / temp[:, None]
     with temp an fp32 tensor (the same division, out of place)."""
     N = logits.shape[0]
-    t = _per_row(temperature, N, torch.float32, logits.device)
+    t = per_row(temperature, N, torch.float32, logits.device)
     if bool((t < GREEDY_EPS).any()):
         rows = torch.nonzero(t < GREEDY_EPS).flatten().tolist()
         raise ValueError(f"rows {rows}: temperature < {GREEDY_EPS} (greedy) is not supported; "
@@ -119,8 +125,8 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature, to
         raise ValueError(f"token ids outside [0, {V}): {tokens[(tokens < 0) | (tokens >= V)].tolist()}")
     scaled = scale_by_temperature(logits, temperature)
     if kept is None:
-        masked = apply_top_k_top_p(scaled, _per_row(top_k, N, torch.long, logits.device),
-                                   _per_row(top_p, N, torch.float32, logits.device))
+        masked = apply_top_k_top_p(scaled, per_row(top_k, N, torch.long, logits.device),
+                                   per_row(top_p, N, torch.float32, logits.device))
     else:
         if kept.dtype != torch.bool or tuple(kept.shape) != (N, V):
             raise ValueError(f"kept must be bool [{N}, {V}], got {kept.dtype} {tuple(kept.shape)}")
@@ -131,4 +137,4 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature, to
         raise ValueError("sampled token outside its kept set: "
                          + ", ".join(f"row {i} token {int(tokens[i])}" for i in bad[:8])
                          + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""))
-    return masked.log_softmax(dim=-1, dtype=torch.float32).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return _dispatched_log_softmax(masked).gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from titan_rl.kernels import attention_paged
-from titan_rl.kernels.attention.torch_impl import kv_cache_write
+from titan_rl.kernels import attention_paged, kv_cache_write
 
 
 class TitanAttentionImpl(CPUAttentionBackendImpl):

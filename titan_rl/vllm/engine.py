@@ -38,10 +38,12 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     if kernels == "stock" and spec.hf_architecture == spec.vllm_architecture:
         raise ValueError(f"kernels = 'stock' is not available for {arch!r}: vLLM has no built-in implementation "
                          "of it (hf_architecture is our own wrapper); use kernels = 'exact'")
-    if logprobs_mode == "processed_logprobs" and kernels == "exact":
-        from titan_rl.vllm.sampling import install
+    if kernels == "exact":
+        from titan_rl.vllm.sampling import install, install_logprobs
 
-        install()
+        install_logprobs()
+        if logprobs_mode == "processed_logprobs":
+            install()
     kwargs = dict(
         model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed, enforce_eager=True,
         kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

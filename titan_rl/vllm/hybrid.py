@@ -142,7 +142,8 @@ class TitanHybridForCausalLM(TitanForCausalLM, HasInnerState, IsHybrid):
         metadata = get_forward_context().attn_metadata
         layers = {int(i): m for i, m in self.linear_state.items()}
         if not isinstance(metadata, dict) or any(metadata.get(m.prefix) is None for m in layers.values()):
-            return FreshState(torch.tensor([0, T], dtype=torch.int64))  # profiling / dummy run: no cache
+            # profiling / dummy run: no cache (cu_seqlens on the engine's device, CPU or CUDA)
+            return FreshState(torch.tensor([0, T], dtype=torch.int64, device=self.lm_head.weight.device))
         return VllmLinearState(layers, metadata)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):

@@ -24,13 +24,22 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from titan_rl.kernels import lm_head_logits
-from titan_rl.kernels.matmul.torch_impl import PackedWeight
+from titan_rl.kernels import gemm_weight, lm_head_logits
 from titan_rl.kernels.quant import QuantizedWeight
 from titan_rl.kernels.selfcheck import check_platform
 from titan_rl.models import qwen3
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.attention import TitanAttentionBackend
+
+
+def attention_backend(vllm_config: VllmConfig) -> type:
+    """Our attention backend for the engine's device: over vLLM's CPU backend on CPU, over
+    its Triton backend on CUDA (titan_rl/vllm/attention_cuda.py)."""
+    if vllm_config.device_config.device_type == "cuda":
+        from titan_rl.vllm.attention_cuda import TitanTritonAttentionBackend
+
+        return TitanTritonAttentionBackend
+    return TitanAttentionBackend
 
 
 def _attention(cfg, vllm_config: VllmConfig, prefix: str, layer: int) -> Attention:
@@ -40,7 +49,7 @@ def _attention(cfg, vllm_config: VllmConfig, prefix: str, layer: int) -> Attenti
     tp = vllm_config.parallel_config.tensor_parallel_size
     return Attention(cfg.num_attention_heads // tp, d, 1.0 / math.sqrt(d), num_kv_heads=cfg.num_key_value_heads // tp,
                      cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{layer}.self_attn.attn",
-                     attn_backend=TitanAttentionBackend)
+                     attn_backend=attention_backend(vllm_config))
 
 
 def _shard_for_tp(net: nn.Module, vllm_config: VllmConfig) -> tuple[int, int, dict[str, int]]:
@@ -84,7 +93,8 @@ class TitanForCausalLM(nn.Module):
         spec = architecture_for_vllm(hf.architectures[0])
         cfg = spec.config_from_hf(hf.to_dict())
         # Refuse exact mode on a platform whose GEMMs break the invariance we rely on.
-        check_platform(vllm_config.model_config.dtype, head_dim=getattr(cfg, "head_dim", 128))
+        check_platform(vllm_config.model_config.dtype, head_dim=getattr(cfg, "head_dim", 128),
+                       device=vllm_config.device_config.device_type)
         net = spec.build(cfg, kernels="exact")
         self._tp_rank, self._tp, self._tp_split = _shard_for_tp(net, vllm_config)
         self.cfg = cfg
@@ -113,7 +123,7 @@ class TitanForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._lm_head_fp32 is None:
-            self._lm_head_fp32 = PackedWeight(self.lm_head.weight.detach().float())
+            self._lm_head_fp32 = gemm_weight(self.lm_head.weight.detach().float())
         return lm_head_logits(hidden_states, self._lm_head_fp32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -165,8 +175,8 @@ class TitanForCausalLM(nn.Module):
         m.weight = None
 
     def _cache_gemm_weights(self) -> None:
-        """Prepare, once per load, the weights the forward multiplies by through `linear`
-        (the trainer prepares them per call; the bits are the same): [q; k; v] and
+        """Prepare (kernels' gemm_weight), once per load, the weights the forward multiplies
+        by through `linear` (the trainer prepares them per call; the bits are the same): [q; k; v] and
         [gate; up] (qwen3.Ops.same_input) and every other Linear (o, down, GDN
         projections). The LM head has its fp32 copy (compute_logits); TP pieces
         (tp_leaves > 0) slice their weights per call, so nothing is prepared for them."""
@@ -176,11 +186,11 @@ class TitanForCausalLM(nn.Module):
         for m in self._net.modules():
             # quantized linears are dequantized per call instead (Linear.operand_weight)
             if isinstance(m, qwen3.Attention) and m.q_proj.recipe is None:
-                m.packed_qkv = PackedWeight(torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach())
+                m.packed_qkv = gemm_weight(torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach())
                 fused.update(id(x) for x in (m.q_proj, m.k_proj, m.v_proj))
             elif isinstance(m, qwen3.MLP) and m.gate_proj.recipe is None:
-                m.packed_gate_up = PackedWeight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
+                m.packed_gate_up = gemm_weight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
                 fused.update(id(x) for x in (m.gate_proj, m.up_proj))
         for m in self._net.modules():
             if isinstance(m, qwen3.Linear) and id(m) not in fused and m.recipe is None:
-                m.gemm_weight = PackedWeight(m.weight)
+                m.gemm_weight = gemm_weight(m.weight)

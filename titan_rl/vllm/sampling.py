@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.sampling import apply_top_k_top_p as _kernel_apply_top_k_top_p
 
 _TAG_BITMAP = 0
@@ -96,6 +97,16 @@ def install() -> None:
     if getattr(m.apply_top_k_top_p, "_titan_rl", False):
         return
     m.apply_top_k_top_p = _installed_apply_top_k_top_p
+
+
+def install_logprobs() -> None:
+    """Make vLLM's Sampler record its log-probs with the kernels' dispatched
+    `log_softmax_fp32`, the function the trainer scores with: on CPU that is the very
+    expression vLLM's own `compute_logprobs` evaluates, on CUDA the Triton kernel
+    (kernels/dispatch.py). Process-wide and idempotent, like `install`."""
+    from vllm.v1.sample.sampler import Sampler
+
+    Sampler.compute_logprobs = staticmethod(log_softmax_fp32)
 
 
 def installed() -> bool:

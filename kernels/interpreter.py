@@ -7,7 +7,8 @@ within a 64-row tile; its Sandybridge kernel did not). On a GPU, tl.dot is the M
 whose per-row arithmetic is fixed by the kernel's tile shape. The interpreter tests are
 about the kernel's own structure (tile shapes, K order, masks, fixed visiting order), so
 they run the dot as fp32 products summed in K order for every element (numpy's einsum
-without BLAS), which does not depend on where a row sits.
+without BLAS), which does not depend on where a row sits. Used by the interpreter tests
+and `scripts/gpu_check.py --cpu-interpret`.
 """
 
 import numpy as np

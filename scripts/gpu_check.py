@@ -1,0 +1,360 @@
+"""The GPU path, checked in one run: Triton kernel invariance, model parity, speed.
+
+    python scripts/gpu_check.py [--json OUT]                                  # on a CUDA GPU
+    TRITON_INTERPRET=1 python scripts/gpu_check.py --cpu-interpret [--json OUT]  # on CPU
+
+(a) invariance: each Triton kernel (kernels/*/triton_impl.py, as the dispatcher picks them)
+    on batches of 1..N rows (N = 1024 on the GPU; sequences for attention and GDN): every
+    row of every batch, a row alone included, equals the same row of the largest batch,
+    torch.equal.
+(b) parity: the model (flavors debug and small, bf16 on the GPU) scored by the trainer's
+    dense forward vs a paged prefill + decode through the same kernels
+    (titan_rl/paged_decode.py): logits torch.equal and max |dlogp| = 0. On the GPU the
+    platform self-check (kernels/selfcheck.py) runs too.
+(c) speed (GPU only), as ratios (ours / reference, same shapes, median of CUDA-event
+    timings): the linear vs cuBLAS (F.linear), attention vs SDPA (FlashAttention), a
+    small-flavor decode step (paged, our kernels) vs the stock model (F.linear, SDPA over
+    dense K/V), a small-flavor trainer forward+backward vs the stock model.
+--cpu-interpret runs (a) and (b) at tiny shapes in fp32 under the Triton interpreter.
+
+Only torch and triton are needed (no vLLM, TorchTitan or torchao: the GPU image has none):
+when titan_rl is not installed, the repository's folders are mapped onto it. Prints a
+table and writes one JSON whose "checks" are booleans; exits 1 unless all are true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_titan_rl() -> None:
+    """Make `titan_rl.kernels` / `titan_rl.models` importable from a bare checkout."""
+    try:
+        import titan_rl.kernels  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(ROOT))
+        import titan_rl
+
+        titan_rl.__path__.append(str(ROOT))  # titan_rl.kernels -> kernels/, titan_rl.models -> models/
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--cpu-interpret", action="store_true", help="(a) and (b) on CPU under TRITON_INTERPRET=1")
+    return ap.parse_args()
+
+
+class Sizes:
+    """The shapes of one run: the GPU's, or tiny ones for the interpreter."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+        self.rows = 24 if interpret else 1024
+        self.batches = (1, 2, 3, 5, 8, 13, 17, 24) if interpret else tuple(range(1, 1025))
+        self.seqs = 5 if interpret else 64
+        self.seq_batches = tuple(range(1, self.seqs + 1))
+        self.K, self.N = (40, 70) if interpret else (1000, 1100)  # not multiples of the tiles
+        self.hidden = 72 if interpret else 1000
+        self.vocab = 1100 if interpret else 16411
+        self.heads, self.kv_heads, self.head_dim = (4, 2, 32) if interpret else (16, 8, 128)
+        self.seq_len = 37 if interpret else 200
+        self.dtype = "float32" if interpret else "bfloat16"
+
+
+# -- (a) invariance -------------------------------------------------------------------------
+
+def _equal(a, b) -> bool:
+    import torch
+
+    if isinstance(a, tuple):
+        return all(_equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
+
+
+def _rows(out, n):
+    return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
+
+
+def _row_check(fn, n_rows, batches) -> bool:
+    """fn(b) computes the first b rows; every batch must reproduce the largest's rows."""
+    full = fn(n_rows)
+    return all(_equal(fn(b), _rows(full, b)) for b in batches if b <= n_rows)
+
+
+def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
+    import torch
+
+    from titan_rl.kernels.attention import triton_impl as at
+    from titan_rl.kernels.elementwise import triton_impl as ew
+    from titan_rl.kernels.gdn import l2norm
+    from titan_rl.kernels.gdn import triton_impl as gd
+    from titan_rl.kernels.lm_head import triton_impl as lm
+    from titan_rl.kernels.matmul import triton_impl as mm
+    from titan_rl.kernels.moe import triton_impl as mo
+    from titan_rl.kernels.rmsnorm import triton_impl as rn
+    from titan_rl.kernels.sampling import triton_impl as sp
+
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0, dt=None):
+        return (scale * torch.randn(*shape, generator=g)).to(device=dev, dtype=dt or dtype)
+
+    R, K, N, Hd, V = sz.rows, sz.K, sz.N, sz.hidden, sz.vocab
+    H, Hkv, D = sz.heads, sz.kv_heads, sz.head_dim
+    f32 = torch.float32
+    x, w = randn(R, K), randn(N, K, scale=K**-0.5)
+    h, nw = randn(R, Hd), 1 + randn(Hd, scale=0.1)
+    gate, up = randn(R, Hd, scale=3.0), randn(R, Hd)
+    xr, pos = randn(R, 3, D), torch.randint(0, 4096, (R,), generator=g).to(dev)
+    hf, wl = randn(R, 256, dt=f32), randn(V, 256, scale=256**-0.5, dt=f32)
+    logits = randn(R, V, scale=4.0, dt=f32)
+    tok = torch.randint(0, V, (R,), generator=g).to(dev)
+    E, k = 9, 3
+    wg = randn(E, Hd, scale=Hd**-0.5)
+    w_e = [randn(Hd, Hd, scale=Hd**-0.5) for _ in range(E)]
+    experts = [lambda t, e=e: mm.linear(t, w_e[e]) for e in range(E)]
+    ids_w = mo.router_topk(h, wg, k, True)
+    top_k = torch.randint(0, 60, (R,), generator=g).to(dev)
+    top_p = (0.5 + 0.5 * torch.rand(R, generator=g)).to(dev)
+    checks = {
+        "linear": _row_check(lambda b: mm.linear(x[:b], w), R, sz.batches),
+        "rms_norm": _row_check(lambda b: rn.rms_norm(h[:b], nw, 1e-6), R, sz.batches),
+        "silu_mul": _row_check(lambda b: ew.silu_mul(gate[:b], up[:b]), R, sz.batches),
+        "rope": _row_check(lambda b: ew.rope(xr[:b], pos[:b], 1e6), R, sz.batches),
+        "lm_head_logits": _row_check(lambda b: lm.lm_head_logits(hf[:b], wl), R, sz.batches),
+        "log_softmax_fp32": _row_check(lambda b: lm.log_softmax_fp32(logits[:b]), R, sz.batches),
+        "token_logprobs": _row_check(lambda b: lm.token_logprobs(logits[:b], tok[:b]), R, sz.batches),
+        "router_topk": _row_check(lambda b: mo.router_topk(h[:b], wg, k, True), R, sz.batches),
+        "moe_experts": _row_check(lambda b: mo.moe_experts(h[:b], ids_w[1][:b], ids_w[0][:b], experts), R,
+                                  sz.batches),
+        "drop_mask": _row_check(lambda b: sp.drop_mask(logits[:b], top_k[:b], top_p[:b]), R, sz.batches),
+    }
+    # attention: sequences alone vs in batches; prefixes; paged decode of b sequences == dense rows
+    S, L = sz.seqs, sz.seq_len
+    q, kk, vv = randn(S, L, H, D), randn(S, L, Hkv, D), randn(S, L, Hkv, D)
+    scale = D**-0.5
+    dense = at.attention_dense(q, kk, vv, scale)
+    checks["attention_dense"] = _row_check(lambda b: at.attention_dense(q[:b], kk[:b], vv[:b], scale), S,
+                                           sz.seq_batches) and all(
+        torch.equal(at.attention_dense(q[:, :n], kk[:, :n], vv[:, :n], scale), dense[:, :n]) for n in (1, 31, 32, 33))
+    page = 16
+    per = -(-L // page)
+    cache = torch.full((S * per + 1, Hkv, 2, page, D), float("nan"), device=dev, dtype=dtype)
+    table = torch.randperm(S * per + 1, generator=g)[: S * per].view(S, per).to(device=dev, dtype=torch.int32)
+    p_all = torch.arange(L, device=dev)
+    for s in range(S):
+        at.kv_cache_write(cache, kk[s], vv[s], table[s, p_all // page].long() * page + p_all % page)
+    lens = torch.randint(1, L + 1, (S,), generator=g).to(dev)
+    qd = torch.stack([q[s, int(lens[s]) - 1] for s in range(S)])
+
+    def decode(b):
+        qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        return at.attention_paged(qd[:b], cache, qsl, lens[:b].to(torch.int32), table[:b], scale, 1)
+
+    want = torch.stack([dense[s, int(lens[s]) - 1] for s in range(S)])
+    checks["attention_paged"] = _row_check(decode, S, sz.seq_batches) and torch.equal(decode(S), want)
+    # GDN: b sequences of 5 tokens with initial states
+    Tn, Hk, Hv, dk, dv = 5, 2, 4, 64, 64
+    gq, gk = (l2norm(randn(S * Tn, Hk, dk, dt=f32)).to(dtype) for _ in range(2))
+    gv = randn(S * Tn, Hv, dv)
+    gg = -torch.nn.functional.softplus(randn(S * Tn, Hv, dt=f32))
+    gb = torch.rand(S * Tn, Hv, generator=g).to(dev)
+    s0 = randn(S, Hv, dk, dv, scale=0.3, dt=f32)
+
+    def gdn(b):
+        cu = torch.arange(b + 1, device=dev) * Tn
+        o, st = gd.gdn_recurrent(gq[: b * Tn], gk[: b * Tn], gv[: b * Tn], gg[: b * Tn], gb[: b * Tn], cu, s0[:b])
+        return o.view(b, Tn, Hv, dv), st
+
+    checks["gdn_recurrent"] = _row_check(gdn, S, sz.seq_batches)
+    return checks
+
+
+# -- (b) model parity ----------------------------------------------------------------------
+
+def model_parity(sz: Sizes, dev, dtype) -> tuple[dict[str, bool], dict]:
+    import torch
+
+    from titan_rl.kernels import log_softmax_fp32, selfcheck
+    from titan_rl.models import qwen3
+    from titan_rl.paged_decode import paged_logits
+
+    tiny = dict(vocab_size=130, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32)
+    runs = {"debug": (tiny, 2, 9), "small": (dict(tiny, hidden_size=64, intermediate_size=88, num_hidden_layers=3),
+                                             2, 7)} if sz.interpret else {"debug": ({}, 8, 96), "small": ({}, 4, 64)}
+    checks, figures = {}, {}
+    for flavor, (over, B, L) in runs.items():
+        m = qwen3.build(flavor, **over).init_weights(1).to(device=dev, dtype=dtype)
+        tokens = torch.randint(0, m.cfg.vocab_size, (B, L), generator=torch.Generator().manual_seed(2)).to(dev)
+        with torch.no_grad():
+            dense = m(tokens)
+        paged = paged_logits(m, tokens, prefill=3)
+        lp = [log_softmax_fp32(t).gather(-1, tokens[..., None]) for t in (dense, paged)]
+        dlogp = float((lp[0] - lp[1]).abs().max())
+        checks[f"model_{flavor}_logits_equal"] = bool(torch.equal(dense, paged))
+        checks[f"model_{flavor}_max_dlogp_zero"] = dlogp == 0.0
+        figures[f"model_{flavor}"] = {"batch": B, "seq_len": L, "max_dlogp": dlogp, "dtype": str(dtype)}
+    if not sz.interpret:  # minutes under the interpreter
+        try:
+            selfcheck.check_platform(dtype, head_dim=128, device=dev)
+            checks["selfcheck"] = True
+        except selfcheck.PlatformNotInvariant as e:
+            checks["selfcheck"] = False
+            figures["selfcheck_error"] = str(e)[:400]
+    return checks, figures
+
+
+# -- (c) speed (GPU) -----------------------------------------------------------------------
+
+def _ms(fn, reps: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def speed(dev, dtype) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from titan_rl.kernels.attention import triton_impl as at
+    from titan_rl.kernels.matmul import triton_impl as mm
+    from titan_rl.models import qwen3
+
+    out = {}
+    g = torch.Generator().manual_seed(3)
+
+    def randn(*s):
+        return torch.randn(*s, generator=g).to(device=dev, dtype=dtype)
+
+    for M, K, N in ((1, 4096, 4096), (16, 4096, 4096), (256, 4096, 4096), (4096, 4096, 4096), (4096, 512, 1536),
+                    (4096, 4096, 12288)):
+        x, w = randn(M, K), randn(N, K) * K**-0.5
+        ours, ref = _ms(lambda: mm.linear(x, w)), _ms(lambda: F.linear(x, w))
+        out[f"linear M={M} K={K} N={N}"] = {"ours_ms": ours, "cublas_ms": ref, "ratio": ours / ref}
+    for B, L, H, Hkv, D in ((4, 1024, 16, 8, 128), (1, 4096, 32, 8, 128)):
+        q, k, v = randn(B, L, H, D), randn(B, L, Hkv, D), randn(B, L, Hkv, D)
+        s = D**-0.5
+        ours = _ms(lambda: at.attention_dense(q, k, v, s))
+        ref = _ms(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=True, scale=s, enable_gqa=True))
+        out[f"attention B={B} L={L} H={H}/{Hkv} D={D}"] = {"ours_ms": ours, "sdpa_ms": ref, "ratio": ours / ref}
+    exact = qwen3.build("small").init_weights(1).to(device=dev, dtype=dtype)
+    stock = qwen3.build("small", kernels="stock").to(device=dev, dtype=dtype)
+    stock.load_state_dict(exact.state_dict())
+    cfg = exact.cfg
+    B, C, page = 32, 512, 16
+    per = C // page + 1
+    caches = [randn(B * per, cfg.num_key_value_heads, 2, page, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+    table = torch.arange(B * per, device=dev, dtype=torch.int32).view(B, per)
+    kd = [randn(B, cfg.num_key_value_heads, C + 1, cfg.head_dim) for _ in range(2)]
+    ids = torch.randint(0, cfg.vocab_size, (B,), generator=g).to(dev)
+    pos = torch.full((B,), C, device=dev)
+    qsl = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), C + 1, device=dev, dtype=torch.int32)
+    slots = table[:, C // page].long() * page + C % page
+    s = 1 / math.sqrt(cfg.head_dim)
+
+    def paged(i, q, k, v):
+        at.kv_cache_write(caches[i], k, v, slots)
+        return at.attention_paged(q, caches[i], qsl, lens, table, s, 1)
+
+    def sdpa(i, q, k, v):  # q [B, H, D]; this step's k/v into a dense [B, Hkv, C + 1, D] cache
+        kd[0][:, :, C], kd[1][:, :, C] = k, v
+        return F.scaled_dot_product_attention(q[:, :, None], kd[0], kd[1], scale=s, enable_gqa=True)[:, :, 0]
+
+    with torch.no_grad():
+        ours = _ms(lambda: exact.logits(exact.hidden_states(ids, pos, paged)))
+        ref = _ms(lambda: stock.logits(stock.hidden_states(ids, pos, sdpa)))
+    out[f"decode step small B={B} context={C}"] = {"ours_ms": ours, "stock_ms": ref, "ratio": ours / ref}
+    tokens = torch.randint(0, cfg.vocab_size, (8, 512), generator=g).to(dev)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        m(tokens).float().log_softmax(-1).mean().backward()
+
+    ours, ref = _ms(lambda: step(exact), 5), _ms(lambda: step(stock), 5)
+    out["trainer fwd+bwd small B=8 L=512"] = {"ours_ms": ours, "stock_ms": ref, "ratio": ours / ref}
+    return out
+
+
+def main() -> int:
+    args = _args()
+    if args.cpu_interpret:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ["TRITON_INTERPRET"] != "1":
+            raise SystemExit("--cpu-interpret needs TRITON_INTERPRET=1")
+    _import_titan_rl()
+    import torch
+
+    from titan_rl.kernels import dispatch
+    from titan_rl.kernels.selfcheck import platform_choices
+
+    if args.cpu_interpret:
+        from titan_rl.kernels.interpreter import pin_interpreter_dot
+
+        pin_interpreter_dot()
+        dev, backend = torch.device("cpu"), dispatch.use_backend("triton")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run with --cpu-interpret under TRITON_INTERPRET=1")
+        dev, backend = torch.device("cuda"), dispatch.use_backend("triton")
+    sz = Sizes(args.cpu_interpret)
+    dtype = getattr(torch, sz.dtype)
+    t0 = time.time()
+    result = {"mode": "cpu-interpret" if args.cpu_interpret else "gpu",
+              "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "triton": __import__("triton").__version__}}
+    with backend:
+        result["dispatch"] = dispatch.choices(dev)
+        result["platform"] = platform_choices(dev)
+        checks = {f"invariance_{k}": v for k, v in invariance(sz, dev, dtype).items()}
+        result["seconds_a"] = round(time.time() - t0, 1)
+        parity, figures = model_parity(sz, dev, dtype)
+        checks.update(parity)
+        result["parity"] = figures
+        result["seconds_b"] = round(time.time() - t0 - result["seconds_a"], 1)
+        if not args.cpu_interpret:
+            result["speed"] = speed(dev, dtype)
+    # the GPU image has none of these: the path this script checks must not need them
+    checks["imports_only_torch_and_triton"] = not any(m in sys.modules for m in ("vllm", "torchtitan", "torchao"))
+    result["checks"] = checks
+    result["all_passed"] = all(checks.values())
+    result["seconds"] = round(time.time() - t0, 1)
+    print(f"{'check':<40} result")
+    for name, ok in checks.items():
+        print(f"{name:<40} {'ok' if ok else 'FAILED'}")
+    for name, row in result.get("speed", {}).items():
+        ref = next(v for key, v in row.items() if key.endswith("_ms") and key != "ours_ms")
+        print(f"{name:<40} ours {row['ours_ms']:.3f} ms  ref {ref:.3f} ms  ratio {row['ratio']:.2f}")
+    print(f"all checks {'passed' if result['all_passed'] else 'FAILED'} in {result['seconds']} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    return 0 if result["all_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

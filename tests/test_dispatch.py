@@ -1,0 +1,86 @@
+"""The kernel dispatcher (kernels/dispatch.py): one table, per op and device; the Ops, the
+self-check and the execution contract all follow its choice. Running the Triton column
+end to end is tests/test_triton_kernels.py's (it needs the interpreter)."""
+
+import pytest
+import torch
+
+import titan_rl.kernels as K
+from titan_rl.contract import contract_of
+from titan_rl.kernels import dispatch, selfcheck
+from titan_rl.models import qwen3
+
+
+def test_cpu_runs_torch_impl_and_cuda_triton_impl():
+    for op in dispatch.TABLE:
+        cpu, cuda = dispatch.implementation(op, "cpu"), dispatch.implementation(op, "cuda")
+        assert ".torch_impl" in cpu.__module__ and ".triton_impl" in cuda.__module__, op
+    assert dispatch.backend_for("cpu") == "torch" and dispatch.backend_for(torch.device("cuda", 0)) == "triton"
+    assert dispatch.choices("cpu")["linear"] == "titan_rl.kernels.matmul.torch_impl.linear"
+
+
+def test_refusals_name_what_is_allowed(monkeypatch):
+    with pytest.raises(ValueError, match="'mps'.*supported"):
+        dispatch.backend_for("mps")
+    with pytest.raises(ValueError, match="'cuda_graph'.*allowed"):
+        with dispatch.use_backend("cuda_graph"):
+            pass
+    with pytest.raises(KeyError, match="'conv'"):
+        dispatch.Dispatched("conv")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with dispatch.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dispatch.backend_for("cpu")
+
+
+def test_dispatched_op_calls_what_the_table_holds_at_call_time(monkeypatch, rng):
+    from titan_rl.kernels.rmsnorm import torch_impl as rn
+
+    x, w = torch.randn(5, 24, generator=rng), torch.ones(24)
+    assert torch.equal(K.rms_norm(x, w, 1e-6), rn.rms_norm(x, w, 1e-6))
+    calls = []
+    monkeypatch.setattr(rn, "rms_norm", lambda *a: calls.append(a) or a[0])
+    K.rms_norm(x, w, 1e-6)
+    assert len(calls) == 1
+
+
+def test_ops_contract_and_selfcheck_follow_the_dispatcher():
+    m = qwen3.build("debug")
+    assert m.ops.linear is K.linear and m.ops.causal_attention is K.attention_dense
+    e = contract_of(m).entries()
+    assert e["op.linear"] == "titan_rl.kernels.matmul.torch_impl.linear"
+    assert e["op.rms_norm"] == "titan_rl.kernels.rmsnorm.torch_impl.rms_norm"
+    assert e["platform.backend"] == "torch"
+    probed = selfcheck._default_ops("cpu")
+    assert probed["linear"] is dispatch.implementation("linear", "cpu")
+    # the CUDA column: what a model on a GPU would be probed with and recorded as
+    probed = selfcheck._default_ops("cuda")
+    assert all(".triton_impl" in fn.__module__ for fn in probed.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_equals_trainer_dense_on_cpu(dtype, rng):
+    """titan_rl.paged_decode (the engine side gpu_check.py drives) on the CPU column."""
+    from titan_rl.paged_decode import paged_logits
+
+    m = qwen3.build("debug", hidden_size=88, intermediate_size=200).init_weights(int(torch.randint(0, 2**31, (1,),
+                                                                                                  generator=rng)))
+    m = m.to(dtype)
+    tokens = torch.randint(0, m.cfg.vocab_size, (3, 37), generator=rng)
+    with torch.no_grad():
+        dense = m(tokens)
+    assert torch.equal(dense, paged_logits(m, tokens, prefill=5))
+
+
+def test_torchtitan_on_cuda_gets_no_cpu_shims():
+    """On a machine with an accelerator, importing titan_rl.titan leaves TorchTitan alone:
+    its device is "cuda" (so NCCL and FSDP2/TP as TorchTitan sets them up). Run in a child
+    process that reports a CUDA device to torch before anything imports torchtitan."""
+    import subprocess
+    import sys
+
+    code = ("import torch, torch._utils as u; u._get_available_device_type = lambda: 'cuda'\n"
+            "import titan_rl.titan\nfrom titan_rl.titan import cpu_compat\nimport torchtitan.tools.utils as tu\n"
+            "print(cpu_compat.on_cpu(), tu.device_type)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["False", "cuda"], r.stdout
