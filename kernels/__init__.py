@@ -12,7 +12,7 @@ sampler can never drift onto different code for the same op.
 from titan_rl.kernels.attention.torch_impl import attention_dense, attention_paged
 from titan_rl.kernels.lm_head.torch_impl import lm_head_logits, log_softmax_fp32, token_logprobs
 from titan_rl.kernels.matmul.torch_impl import leaf_partials, linear, linear_k_leaves, linear_n_blocks, tree_sum
-from titan_rl.kernels.rmsnorm.torch_impl import rms_norm
+from titan_rl.kernels.rmsnorm.torch_impl import rms_norm, rms_norm_heads
 
 __all__ = [
     "attention_dense",
@@ -24,6 +24,7 @@ __all__ = [
     "lm_head_logits",
     "log_softmax_fp32",
     "rms_norm",
+    "rms_norm_heads",
     "token_logprobs",
     "tree_sum",
 ]

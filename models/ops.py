@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm
+from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads
 from titan_rl.kernels.elementwise import rope as rope_exact
 from titan_rl.kernels.elementwise import silu_mul
 from titan_rl.kernels.gdn import gdn_chunked, gdn_recurrent, l2norm, lane_stable
@@ -44,6 +44,7 @@ class Ops:
     causal_attention(q [B, L, H, D], k/v [B, L, Hkv, D], scale) -> [B, L, H, D]: the
     trainer's dense causal attention (every sequence starts at position 0).
     lm_head(hidden, weight_fp32) -> fp32 logits.
+    head_rms_norm(x [..., H, D], weight [D], eps): the per-head RMSNorm (q_norm / k_norm).
     gdn_elementwise(fn, x): a transcendental of GDN's (silu, sigmoid, exp, softplus) whose
     input size depends on the batch; gdn_l2norm(x) -> fp32 per-head L2 norm;
     gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state)."""
@@ -64,6 +65,9 @@ class Ops:
         self.gdn_l2norm = l2norm if exact else _plain_l2norm
         self.gdn_recurrence = gdn_recurrent if exact else gdn_chunked
         self.tp_leaves = tp_leaves if exact else 0
+        # q_norm / k_norm: with the TP pieces, a weight gradient whose bits do not depend on
+        # how many heads a call holds (the TP-sharded form gathers the ranks' heads).
+        self.head_rms_norm = rms_norm_heads if self.tp_leaves else self.rms_norm
         # One GEMM over concatenated weights (same_input) is a choice of the exact kernels.
         self.fuse_same_input = exact
 

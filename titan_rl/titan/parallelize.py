@@ -32,8 +32,13 @@ Exactness, layout by layout (torch.equal of the forward logits vs one process):
     exact for TP = 1, 2, ..., L. With tp_leaves = 0: one GEMM per rank + all-reduce:
     close (~1e-6 in fp32), not bitwise.
   * q_norm / k_norm (per-head RMSNorm), GDN's gated norm and its sliced per-head
-    parameters see only the rank's heads: their replicated weights' gradients are
-    all-reduced over TP (HeadNorm, GdnHeads: copy_to_tp); the forward is unchanged.
+    parameters see only the rank's heads. With tp_leaves > 0 the q_norm / k_norm weight
+    gradient is the model file's fixed tree over all heads' partials (HeadNorm); the
+    others are all-reduced over TP (GdnHeads, and HeadNorm at tp_leaves = 0:
+    copy_to_tp); the forward is unchanged.
+  * Backward with tp_leaves > 0: a column-parallel input gradient is the fixed tree over
+    all L blocks' partials (each rank one subtree, finished together), the row-parallel
+    leaves' gradients are fixed-shape GEMMs, so the gradients equal TP = 1's.
   * Embedding, final norm and LM head are replicated under TP (the LM head is not
     vocab-parallel yet: every TP rank computes the full logits).
 """
@@ -41,6 +46,7 @@ Exactness, layout by layout (torch.equal of the forward logits vs one process):
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -53,7 +59,7 @@ from titan_rl.models.qwen3 import Attention, Linear
 from titan_rl.models.qwen3_hybrid import GatedDeltaNet
 from titan_rl.registry import ArchitectureSpec, architecture_of, get_architecture
 from titan_rl.titan import cpu_compat
-from titan_rl.titan.tp_linear import _AllReduceSum, column_parallel_linear, copy_to_tp, row_parallel_linear
+from titan_rl.titan.tp_linear import _AllReduceSum, column_parallel_linear, copy_to_tp, gather_rows, row_parallel_linear
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +158,16 @@ class RowwiseLinear(nn.Module):
 
 class HeadNorm(nn.Module):
     """Re-classing mixin for q_norm / k_norm under TP: the weight is replicated but each
-    rank normalises only its own heads, so its weight gradient is a partial sum; the
-    weight passes through copy_to_tp (identity forward, all-reduce backward)."""
+    rank normalises only its own heads. With tp_leaves > 0 its weight gradient is the
+    one-process model's fixed tree over all heads' partials (the ranks' heads gathered:
+    kernels.rms_norm_heads); else the weight passes through copy_to_tp (identity
+    forward, all-reduce of the ranks' partial sums backward)."""
 
     tp_group = None
 
     def forward(self, x):
+        if self.ops.tp_leaves:
+            return self.ops.head_rms_norm(x, self.weight, self.eps, partial(gather_rows, group=self.tp_group))
         return self.ops.rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
 
 
