@@ -168,7 +168,7 @@ class HeadNorm(nn.Module):
     def forward(self, x):
         if self.ops.tp_leaves:
             return self.ops.head_rms_norm(x, self.weight, self.eps, partial(gather_rows, group=self.tp_group))
-        return self.ops.rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
+        return self.ops.head_rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
 
 
 class GdnHeads(nn.Module):
@@ -186,8 +186,9 @@ class GdnHeads(nn.Module):
     def head_params(self):
         g = self.tp_group
         heads = self.tp_value_heads
+        norm_w = self.norm.weight if self.norm.tp_gather is not None else copy_to_tp(self.norm.weight, g)
         return (copy_to_tp(self.conv1d.weight, g)[self.tp_channels], copy_to_tp(self.A_log, g)[heads],
-                copy_to_tp(self.dt_bias, g)[heads], copy_to_tp(self.norm.weight, g))
+                copy_to_tp(self.dt_bias, g)[heads], norm_w)
 
 
 def gdn_rank_share(hk: int, hv: int, dk: int, dv: int, rank: int, tp: int) -> tuple[torch.Tensor, slice]:
@@ -207,6 +208,8 @@ def shard_heads(mixer: nn.Module, group) -> None:
         mixer.tp_channels, mixer.tp_value_heads = gdn_rank_share(mixer.hk, mixer.hv, mixer.dk, mixer.dv, rank, tp)
         reclass(mixer, GdnHeads)
         mixer.tp_group = group
+        if mixer.ops.tp_leaves:
+            mixer.norm.tp_gather = partial(gather_rows, group=group)
         mixer.hk, mixer.hv = mixer.hk // tp, mixer.hv // tp
         return
     for norm in (mixer.q_norm, mixer.k_norm):
