@@ -5,7 +5,7 @@ tp_hybrid (the GDN hybrid at TP = world), engine_tp (vLLM at tensor_parallel_siz
 vs the trainer at TP = world; it goes last: vLLM's engine shutdown ends the process group),
 trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data),
 det_fsdp (deterministic leaf-tree reduction: 3 AdamW steps at FSDP = world vs FSDP = 1, dense/MoE/hybrid),
-det_tp (the same at TP = world vs one process, tp_leaves > 0);
+det_tp (the same at FSDP = world/2 x TP = 2 vs one process, tp_leaves > 0; det_tp_dense: dense only);
 "a+b" runs both in one launch. TITAN_TEST_SEED (env): the seed of tp_hybrid and engine_tp.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
@@ -527,17 +527,19 @@ def run_det_fsdp(res: dict) -> None:
 DET_TP_LEAVES = 8
 
 
-def run_det_tp(res: dict) -> None:
-    """TP = world (FSDP = 1) and one process (TP = 1), both with tp_leaves > 0 and the
-    leaf-tree reduction, train the same global batch: the weights after DET_STEPS steps
-    are torch.equal (fixed-shape backward pieces, fixed trees over blocks and heads)."""
+def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe", "hybrid")) -> None:
+    """TP = 2 (FSDP = world / 2: 1 on two ranks, 2 on four) and one process (TP = 1), both
+    with tp_leaves > 0 and the leaf-tree reduction, train the same global batch: the
+    weights after DET_STEPS steps are torch.equal (fixed-shape backward pieces, fixed
+    trees over column blocks, heads, leaves and ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    solo = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "solo"))["solo"]
-    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    world = dist.get_world_size()
+    solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "solo"))["solo"]
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
              ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None)]
-    for tag, arch, flavor, dtype in cases:
+    for tag, arch, flavor, dtype in (case for case in cases if case[0] in tags):
         one = det_train(arch, flavor, solo, True, dtype, tp_leaves=DET_TP_LEAVES)
         tp = det_train(arch, flavor, mesh["dp"], True, dtype, tp_mesh=mesh["tp"], tp_leaves=DET_TP_LEAVES)
         res[f"dettp_{tag}_equal"] = all(torch.equal(tp[n], one[n]) for n in one)
@@ -671,6 +673,7 @@ def main() -> int:
         "engine_tp": lambda: run_engine_tp(res, os.path.dirname(os.path.abspath(out))),
         "det_fsdp": lambda: run_det_fsdp(res),
         "det_tp": lambda: run_det_tp(res),
+        "det_tp_dense": lambda: run_det_tp(res, ("dense", "dense_bf16")),
     }
     try:
         for part in mode.split("+"):  # "a+b": both in one launch, in that order

@@ -187,3 +187,12 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     assert not all(r[f"plain_{tag}_equal"] for tag in ("dense", "dense_bf16", "moe", "hybrid"))
     for tag in ("dense", "dense_bf16", "moe", "hybrid"):
         assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
+
+
+def test_deterministic_fsdp2_x_tp2_equals_one_process_after_3_steps(tmp_path):
+    """FSDP 2 x TP 2 (four ranks) with tp_leaves = 8 and the leaf-tree reduction: weights
+    after 3 clipped AdamW steps torch.equal to one process's, dense fp32 and bf16 compute
+    (MoE and hybrid are checked at TP = 2 in the launch above)."""
+    r = launch("det_tp_dense", 4, tmp_path, timeout=240)
+    for tag in ("dense", "dense_bf16"):
+        assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
