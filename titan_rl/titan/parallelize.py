@@ -32,13 +32,16 @@ Exactness, layout by layout (torch.equal of the forward logits vs one process):
     exact for TP = 1, 2, ..., L. With tp_leaves = 0: one GEMM per rank + all-reduce:
     close (~1e-6 in fp32), not bitwise.
   * q_norm / k_norm (per-head RMSNorm), GDN's gated norm and its sliced per-head
-    parameters see only the rank's heads. With tp_leaves > 0 the q_norm / k_norm weight
-    gradient is the model file's fixed tree over all heads' partials (HeadNorm); the
-    others are all-reduced over TP (GdnHeads, and HeadNorm at tp_leaves = 0:
-    copy_to_tp); the forward is unchanged.
+    parameters see only the rank's heads. With tp_leaves > 0 the norms' weight gradient
+    is the model file's fixed tree over all heads' partials, the ranks' heads gathered
+    (HeadNorm, GdnHeads: Ops.head_rms_norm); at tp_leaves = 0 it is all-reduced
+    (copy_to_tp). The sliced conv weight, A_log and dt_bias are all-reduced over TP:
+    each rank's gradient is zero outside its own heads, so the sum is exact (x + 0).
+    The forward is unchanged.
   * Backward with tp_leaves > 0: a column-parallel input gradient is the fixed tree over
-    all L blocks' partials (each rank one subtree, finished together), the row-parallel
-    leaves' gradients are fixed-shape GEMMs, so the gradients equal TP = 1's.
+    all L blocks' partials (each rank one subtree, finished together), every weight
+    gradient a GEMM of its block's or leaf's fixed shape, so the gradients equal
+    TP = 1's (the model file computes the same pieces and trees).
   * Embedding, final norm and LM head are replicated under TP (the LM head is not
     vocab-parallel yet: every TP rank computes the full logits).
 """
@@ -175,9 +178,10 @@ class GdnHeads(nn.Module):
     """Re-classing mixin for a GDN layer under TP: its projections are sharded by whole
     key heads (rank r: key heads [r*hk/t, (r+1)*hk/t) and their value heads), so the
     layer's per-head parameters are this rank's share of the replicated conv weight,
-    A_log and dt_bias (`gdn_rank_share`); the gated norm's weight is shared by all heads.
-    Each passes through copy_to_tp: identity forward, all-reduce of the ranks' partial
-    gradients backward (the HeadNorm rule)."""
+    A_log and dt_bias (`gdn_rank_share`), each through copy_to_tp (identity forward,
+    all-reduce of the ranks' gradients, zero outside their heads). The gated norm's
+    weight is shared by all heads: the HeadNorm rule (a tree over heads with
+    tp_leaves > 0, else copy_to_tp)."""
 
     tp_group = None
     tp_channels: torch.Tensor | None = None
