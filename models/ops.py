@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_rl.kernels import attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads
+from titan_rl.kernels import (
+    attention_dense, linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads,
+)
 from titan_rl.kernels.elementwise import rope as rope_exact
 from titan_rl.kernels.elementwise import silu_mul
 from titan_rl.kernels.gdn import gdn_chunked, gdn_recurrent, l2norm, lane_stable
