@@ -16,7 +16,7 @@ train: setup
 	$(PY) -m titan_rl.train --config train_configs/rl_debug.toml --run-dir runs/rl_debug
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 parity: setup
 	$(PY) -m titan_rl.parity --config train_configs/debug.toml --kernels both --json outputs/parity_debug.json

@@ -8,12 +8,13 @@ One folder per op. Each folder has:
 Both engines import the functions below and nothing else, so the trainer and the
 sampler can never drift onto different code for the same op. Most are dispatched ops
 (kernels/dispatch.py: torch_impl for CPU tensors, triton_impl for CUDA ones); the
-tensor-parallel pieces (tree_sum, leaf_partials, linear_k_leaves, linear_n_blocks) are
-the CPU implementation's.
+tensor-parallel pieces (tree_sum, leaf_partials, linear_k_leaves, linear_n_blocks,
+rms_norm_heads) are the CPU implementation's.
 """
 
 from titan_rl.kernels.dispatch import Dispatched
 from titan_rl.kernels.matmul.torch_impl import leaf_partials, linear_k_leaves, linear_n_blocks, tree_sum
+from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_heads
 
 attention_dense = Dispatched("attention_dense")
 attention_paged = Dispatched("attention_paged")
@@ -41,6 +42,7 @@ __all__ = [
     "lm_head_logits",
     "log_softmax_fp32",
     "rms_norm",
+    "rms_norm_heads",
     "rope",
     "silu_mul",
     "token_logprobs",

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from titan_rl.kernels import (attention_dense, gdn_recurrent, linear, linear_k_leaves, linear_n_blocks, lm_head_logits,
-                              rms_norm, silu_mul)
+                              rms_norm, rms_norm_heads, silu_mul)
 from titan_rl.kernels import rope as rope_exact
 from titan_rl.kernels.gdn import gdn_chunked, l2norm, lane_stable
 from titan_rl.kernels.mode import KernelMode
@@ -46,6 +46,8 @@ class Ops:
     causal_attention(q [B, L, H, D], k/v [B, L, Hkv, D], scale) -> [B, L, H, D]: the
     trainer's dense causal attention (every sequence starts at position 0).
     lm_head(hidden, weight_fp32) -> fp32 logits.
+    head_rms_norm(x [..., H, D], weight [D], eps): the per-head RMSNorm (q_norm / k_norm,
+    GDN's gated norm).
     gdn_elementwise(fn, x): a transcendental of GDN's (silu, sigmoid, exp, softplus) whose
     input size depends on the batch; gdn_l2norm(x) -> fp32 per-head L2 norm;
     gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state)."""
@@ -68,6 +70,16 @@ class Ops:
         self.tp_leaves = tp_leaves if exact else 0
         # One GEMM over concatenated weights (same_input) is a choice of the exact kernels.
         self.fuse_same_input = exact
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gather=None) -> torch.Tensor:
+        """RMSNorm of per-head vectors by a weight shared by the heads. With the TP pieces its
+        weight gradient is a fixed tree over heads (kernels.rms_norm_heads), the same bits
+        whatever number of heads a call holds; `gather` joins the TP ranks' heads."""
+        if self.tp_leaves:
+            return rms_norm_heads(x, weight, eps, gather)
+        if gather is not None:
+            raise ValueError("head_rms_norm: gather needs tp_leaves > 0")
+        return self.rms_norm(x, weight, eps)
 
     def recipe_for(self, group: QuantLayer | None) -> QuantRecipe | None:
         """The recipe a linear of layer group `group` runs; None: high precision (no group:

@@ -192,6 +192,14 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of per-head vectors [..., H, D] by one weight shared by the heads (q_norm,
+    k_norm): Ops.head_rms_norm."""
+
+    def forward(self, x):
+        return self.ops.head_rms_norm(x, self.weight, self.eps)
+
+
 class Linear(nn.Module):
     """nn.Linear's parameter layout (weight [out, in], no bias) over the kernel linear.
     `kind`: "col" (output columns split under TP), "row" (reduction dim split) or
@@ -257,8 +265,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(e, hkv * d, ops, "col", "attention")
         self.v_proj = Linear(e, hkv * d, ops, "col", "attention")
         self.o_proj = Linear(h * d, e, ops, "row", "attention")
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
+        self.q_norm = HeadRMSNorm(d, cfg.rms_norm_eps, ops)
+        self.k_norm = HeadRMSNorm(d, cfg.rms_norm_eps, ops)
         self.packed_qkv = None  # engine: [q; k; v] weights prepared once (Ops.same_input)
 
     def forward(self, x, positions, attn: AttentionFn):

@@ -248,7 +248,10 @@ class CausalConv1d(nn.Module):
 class GatedRMSNorm(nn.Module):
     """rmsnorm(x) * weight (kernels.rms_norm, rounded to x's dtype), times silu(z) in fp32,
     rounded to x's dtype (Qwen3-Next's RMSNormGated). `weight`: the one to compute with
-    (GatedDeltaNet.head_params)."""
+    (GatedDeltaNet.head_params). `tp_gather`: under TP, joins the ranks' heads for the
+    weight gradient (Ops.head_rms_norm)."""
+
+    tp_gather = None
 
     def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
@@ -256,7 +259,7 @@ class GatedRMSNorm(nn.Module):
         self.eps, self.ops = eps, ops
 
     def forward(self, x, z, weight: torch.Tensor):
-        y = self.ops.rms_norm(x, weight, self.eps)
+        y = self.ops.head_rms_norm(x, weight, self.eps, self.tp_gather)
         return (y.float() * self.ops.gdn_elementwise(F.silu, z.float())).to(x.dtype)
 
 

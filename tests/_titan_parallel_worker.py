@@ -4,7 +4,8 @@ MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2), t
 tp_hybrid (the GDN hybrid at TP = world), engine_tp (vLLM at tensor_parallel_size = world
 vs the trainer at TP = world; it goes last: vLLM's engine shutdown ends the process group),
 trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data),
-det_fsdp (deterministic leaf-tree reduction: 3 AdamW steps at FSDP = world vs FSDP = 1, dense/MoE/hybrid);
+det_fsdp (deterministic leaf-tree reduction: 3 AdamW steps at FSDP = world vs FSDP = 1, dense/MoE/hybrid),
+det_tp (the same at FSDP = world/2 x TP = 2 vs one process, tp_leaves > 0; det_tp_dense: dense only);
 "a+b" runs both in one launch. TITAN_TEST_SEED (env): the seed of tp_hybrid and engine_tp.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
@@ -453,13 +454,18 @@ def det_batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows * (torch.arange(rows.shape[1])[None, :] < lens[:, None]), mask
 
 
-def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=None) -> dict:
+def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=None, tp_mesh=None,
+              tp_leaves: int = 0) -> dict:
     """DET_STEPS steps of masked CE + MoE aux loss, global-norm clipping and AdamW on the
-    global batch, this rank's share of it; returns the full weights after the last step."""
+    global batch, this rank's share of it (TP on `tp_mesh` when given); returns the full
+    weights after the last step."""
     from titan_rl.rl.global_batch import gradient_leaves, rank_share
     from titan_rl.titan import leaf_reduction
+    from titan_rl.titan.parallelize import apply_tp
 
-    m = model_config(arch, flavor, "exact", init_seed=SEED).build().init_weights()
+    m = model_config(arch, flavor, "exact", init_seed=SEED, tp_leaves=tp_leaves).build().init_weights()
+    if tp_mesh is not None:
+        apply_tp(m, tp_mesh)
     apply_fsdp(m, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, gradient_divide_factor=1.0)
     red = leaf_reduction.install(m) if deterministic else None
     if not deterministic:  # MoE: an expert no token of one rank reached still joins the reduce-scatter
@@ -516,6 +522,29 @@ def run_det_fsdp(res: dict) -> None:
             res[f"{key}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
             res[f"{key}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
             res[f"{key}_moved"] = max(maxdiff(wide[n], init[n]) for n in wide)
+
+
+DET_TP_LEAVES = 8
+
+
+def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe", "hybrid")) -> None:
+    """TP = 2 (FSDP = world / 2: 1 on two ranks, 2 on four) and one process (TP = 1), both
+    with tp_leaves > 0 and the leaf-tree reduction, train the same global batch: the
+    weights after DET_STEPS steps are torch.equal (fixed-shape backward pieces, fixed
+    trees over column blocks, heads, leaves and ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "solo"))["solo"]
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
+             ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None)]
+    for tag, arch, flavor, dtype in (case for case in cases if case[0] in tags):
+        one = det_train(arch, flavor, solo, True, dtype, tp_leaves=DET_TP_LEAVES)
+        tp = det_train(arch, flavor, mesh["dp"], True, dtype, tp_mesh=mesh["tp"], tp_leaves=DET_TP_LEAVES)
+        res[f"dettp_{tag}_equal"] = all(torch.equal(tp[n], one[n]) for n in one)
+        res[f"dettp_{tag}_maxdiff"] = max(maxdiff(tp[n], one[n]) for n in one)
+        res[f"dettp_{tag}_differ"] = sorted(n for n in one if not torch.equal(tp[n], one[n]))[:8]
 
 
 # -- torchtitan's Trainer end to end (synthetic tokenizer and data: no downloads) ---------
@@ -643,6 +672,8 @@ def main() -> int:
         "tp_hybrid": lambda: run_tp_hybrid(res),
         "engine_tp": lambda: run_engine_tp(res, os.path.dirname(os.path.abspath(out))),
         "det_fsdp": lambda: run_det_fsdp(res),
+        "det_tp": lambda: run_det_tp(res),
+        "det_tp_dense": lambda: run_det_tp(res, ("dense", "dense_bf16")),
     }
     try:
         for part in mode.split("+"):  # "a+b": both in one launch, in that order

@@ -177,9 +177,22 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     gradient leaves, summed by one fixed tree over leaves and ranks; 3 steps of clipping +
     AdamW at FSDP = 2 and FSDP = 1 give torch.equal weights, dense (fp32 and bf16 compute),
     MoE and hybrid. Today's reduction (one backward per rank, the collective's sum) on the
-    same fixed batches differs, so the equality is the mechanism's doing."""
-    r = launch("det_fsdp", 2, tmp_path, timeout=240)
+    same fixed batches differs, so the equality is the mechanism's doing.
+    In the same launch, TP = 2 against one process, both with tp_leaves = 8 (fixed-shape
+    backward pieces, fixed trees over column blocks and heads): torch.equal weights too."""
+    r = launch("det_fsdp+det_tp", 2, tmp_path, timeout=300)
     for tag in ("dense", "dense_bf16", "moe", "hybrid"):
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
         assert r[f"det_{tag}_moved"] > 1e-3  # the steps changed the weights
     assert not all(r[f"plain_{tag}_equal"] for tag in ("dense", "dense_bf16", "moe", "hybrid"))
+    for tag in ("dense", "dense_bf16", "moe", "hybrid"):
+        assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
+
+
+def test_deterministic_fsdp2_x_tp2_equals_one_process_after_3_steps(tmp_path):
+    """FSDP 2 x TP 2 (four ranks) with tp_leaves = 8 and the leaf-tree reduction: weights
+    after 3 clipped AdamW steps torch.equal to one process's, dense fp32 and bf16 compute
+    (MoE and hybrid are checked at TP = 2 in the launch above)."""
+    r = launch("det_tp_dense", 4, tmp_path, timeout=240)
+    for tag in ("dense", "dense_bf16"):
+        assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])

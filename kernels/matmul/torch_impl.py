@@ -21,10 +21,13 @@ The engine prepares each weight once per load (`PackedWeight`); the
 trainer's weights change every step, so `linear` packs them per call (a copy of K*N
 values, small beside the M*K*N GEMM). Both go through the same reorder and GEMM, so
 both give the same bits. Only the forward must be invariant (it produces the log-probs
-both engines compare); the backward is the ordinary full-size GEMMs.
+both engines compare); `linear`'s backward is the ordinary full-size GEMMs (the fixed
+pieces below also fix their backward's shapes, for TP-invariant gradients).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -181,13 +184,49 @@ def linear_k_leaves(x: torch.Tensor, weight: torch.Tensor, k_leaves: int) -> tor
     return tree_sum(leaf_partials(x, weight, k_leaves)).to(x.dtype)
 
 
-def linear_n_blocks(x: torch.Tensor, weight: torch.Tensor, n_blocks: int) -> torch.Tensor:
+class _ColumnBlocks(torch.autograd.Function):
+    """`linear_n_blocks` with a backward of fixed-shape pieces. Each block j's weight
+    gradient is its own GEMM (grad_j^T @ x); the input gradient is the sum over blocks of
+    grad_j @ W_j ([M, N/n] x [N/n, K], the same call on every layout), upcast to fp32 and
+    added by `tree_sum`, then passed to `finish` (None: this call holds the whole tree;
+    under TP a rank holds one subtree and `finish` completes the same tree over ranks)."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, n_blocks, finish):
+        ctx.save_for_backward(x2, weight)
+        ctx.n_blocks, ctx.finish = n_blocks, finish
+        t = weight.shape[0] // n_blocks
+        return torch.cat([_invariant_mm(x2, weight[j * t:(j + 1) * t]) for j in range(n_blocks)], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        t = weight.shape[0] // ctx.n_blocks
+        grad = grad.to(x2.dtype)
+        blocks = [grad[:, j * t:(j + 1) * t].contiguous() for j in range(ctx.n_blocks)]
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            w = weight.to(x2.dtype)
+            sub = tree_sum(torch.stack([(g @ w[j * t:(j + 1) * t]).float() for j, g in enumerate(blocks)]))
+            gx = (sub if ctx.finish is None else ctx.finish(sub)).to(x2.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = torch.cat([g.t() @ x2 for g in blocks]).to(weight.dtype)
+        return gx, gw, None, None
+
+
+def linear_n_blocks(x: torch.Tensor, weight: torch.Tensor, n_blocks: int,
+                    finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """y = x @ weight^T computed as `n_blocks` calls of `linear`, one per block of
     weight.shape[0] / n_blocks consecutive output columns. A column's bits then depend
-    only on its block, so a TP rank holding blocks [i, j) reproduces them."""
+    only on its block, so a TP rank holding blocks [i, j) reproduces them. The input
+    gradient is the blocks' partials added by a fixed fp32 tree (`_ColumnBlocks`);
+    `finish(subtree_sum)` completes it across TP ranks (the column-parallel form)."""
     n = weight.shape[0]
-    if n_blocks < 1 or n % n_blocks:
-        raise ValueError(f"N = {n} is not divisible by n_blocks = {n_blocks}")
+    if n_blocks < 1 or n % n_blocks or n_blocks & (n_blocks - 1):
+        raise ValueError(f"N = {n} is not divisible by n_blocks = {n_blocks} (a power of two)")
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        lead = x.shape[:-1]
+        return _ColumnBlocks.apply(x.reshape(-1, x.shape[-1]), weight, n_blocks, finish).reshape(*lead, n)
     if n_blocks == 1:
         return linear(x, weight)
     t = n // n_blocks

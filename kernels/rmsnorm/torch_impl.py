@@ -5,9 +5,12 @@ alone. The backward is the gradient of the same function in eager torch (recompu
 only the forward has to match the engine bit for bit.
 """
 
+from typing import Callable
+
 import torch
 
 from titan_rl.kernels.cpu_ext import ops as _ops
+from titan_rl.kernels.matmul.torch_impl import tree_sum
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,4 +39,52 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
+    return _ops().rms_norm(x, weight, eps)
+
+
+def _padded_tree_sum(parts: torch.Tensor) -> torch.Tensor:
+    n = parts.shape[0]
+    width = 1 << (n - 1).bit_length()
+    if width != n:  # zeros complete the tree: x + 0 == x
+        parts = torch.cat([parts, parts.new_zeros(width - n, *parts.shape[1:])])
+    return tree_sum(parts)
+
+
+class _HeadRMSNorm(torch.autograd.Function):
+    """rms_norm of x [..., H, D] by one weight [D] shared by the H heads. The input
+    gradient is `_RMSNorm`'s (a row's bits depend on the row alone). The weight gradient
+    is taken per head (head h: its rows' products summed over the rows, a reduction of
+    fixed shape), `gather` brings all H heads' partials together (TP: each rank holds
+    its heads; None: this call holds them all) and a fixed tree over heads adds them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, gather):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.gather = eps, gather
+        return _ops().rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_()
+            xf = x_.float()
+            xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+            gx, = torch.autograd.grad(weight.detach() * xn, (x_,), grad)
+        d = x.shape[-1]
+        xn, grad = xn.detach(), grad.to(torch.promote_types(weight.dtype, x.dtype))
+        parts = torch.stack([(grad.select(-2, h).reshape(-1, d) * xn.select(-2, h).reshape(-1, d)).float().sum(0)
+                             for h in range(x.shape[-2])])
+        if ctx.gather is not None:
+            parts = ctx.gather(parts)
+        return gx, _padded_tree_sum(parts).to(weight.dtype), None, None
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """rms_norm (the same forward bits) of per-head vectors x [..., H, D] (q_norm/k_norm),
+    whose weight gradient is a fixed tree over heads: the same bits whatever number of the
+    heads one call holds, with `gather(parts [h, D]) -> [H, D]` joining the TP ranks' heads."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _HeadRMSNorm.apply(x, weight, eps, gather)
     return _ops().rms_norm(x, weight, eps)

@@ -32,8 +32,16 @@ Exactness, layout by layout (torch.equal of the forward logits vs one process):
     exact for TP = 1, 2, ..., L. With tp_leaves = 0: one GEMM per rank + all-reduce:
     close (~1e-6 in fp32), not bitwise.
   * q_norm / k_norm (per-head RMSNorm), GDN's gated norm and its sliced per-head
-    parameters see only the rank's heads: their replicated weights' gradients are
-    all-reduced over TP (HeadNorm, GdnHeads: copy_to_tp); the forward is unchanged.
+    parameters see only the rank's heads. With tp_leaves > 0 the norms' weight gradient
+    is the model file's fixed tree over all heads' partials, the ranks' heads gathered
+    (HeadNorm, GdnHeads: Ops.head_rms_norm); at tp_leaves = 0 it is all-reduced
+    (copy_to_tp). The sliced conv weight, A_log and dt_bias are all-reduced over TP:
+    each rank's gradient is zero outside its own heads, so the sum is exact (x + 0).
+    The forward is unchanged.
+  * Backward with tp_leaves > 0: a column-parallel input gradient is the fixed tree over
+    all L blocks' partials (each rank one subtree, finished together), every weight
+    gradient a GEMM of its block's or leaf's fixed shape, so the gradients equal
+    TP = 1's (the model file computes the same pieces and trees).
   * Embedding, final norm and LM head are replicated under TP (the LM head is not
     vocab-parallel yet: every TP rank computes the full logits).
 """
@@ -41,6 +49,7 @@ Exactness, layout by layout (torch.equal of the forward logits vs one process):
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -53,7 +62,7 @@ from titan_rl.models.qwen3 import Attention, Linear
 from titan_rl.models.qwen3_hybrid import GatedDeltaNet
 from titan_rl.registry import ArchitectureSpec, architecture_of, get_architecture
 from titan_rl.titan import cpu_compat
-from titan_rl.titan.tp_linear import _AllReduceSum, column_parallel_linear, copy_to_tp, row_parallel_linear
+from titan_rl.titan.tp_linear import _AllReduceSum, column_parallel_linear, copy_to_tp, gather_rows, row_parallel_linear
 
 logger = logging.getLogger(__name__)
 
@@ -152,22 +161,27 @@ class RowwiseLinear(nn.Module):
 
 class HeadNorm(nn.Module):
     """Re-classing mixin for q_norm / k_norm under TP: the weight is replicated but each
-    rank normalises only its own heads, so its weight gradient is a partial sum; the
-    weight passes through copy_to_tp (identity forward, all-reduce backward)."""
+    rank normalises only its own heads. With tp_leaves > 0 its weight gradient is the
+    one-process model's fixed tree over all heads' partials (the ranks' heads gathered:
+    kernels.rms_norm_heads); else the weight passes through copy_to_tp (identity
+    forward, all-reduce of the ranks' partial sums backward)."""
 
     tp_group = None
 
     def forward(self, x):
-        return self.ops.rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
+        if self.ops.tp_leaves:
+            return self.ops.head_rms_norm(x, self.weight, self.eps, partial(gather_rows, group=self.tp_group))
+        return self.ops.head_rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
 
 
 class GdnHeads(nn.Module):
     """Re-classing mixin for a GDN layer under TP: its projections are sharded by whole
     key heads (rank r: key heads [r*hk/t, (r+1)*hk/t) and their value heads), so the
     layer's per-head parameters are this rank's share of the replicated conv weight,
-    A_log and dt_bias (`gdn_rank_share`); the gated norm's weight is shared by all heads.
-    Each passes through copy_to_tp: identity forward, all-reduce of the ranks' partial
-    gradients backward (the HeadNorm rule)."""
+    A_log and dt_bias (`gdn_rank_share`), each through copy_to_tp (identity forward,
+    all-reduce of the ranks' gradients, zero outside their heads). The gated norm's
+    weight is shared by all heads: the HeadNorm rule (a tree over heads with
+    tp_leaves > 0, else copy_to_tp)."""
 
     tp_group = None
     tp_channels: torch.Tensor | None = None
@@ -176,8 +190,9 @@ class GdnHeads(nn.Module):
     def head_params(self):
         g = self.tp_group
         heads = self.tp_value_heads
+        norm_w = self.norm.weight if self.norm.tp_gather is not None else copy_to_tp(self.norm.weight, g)
         return (copy_to_tp(self.conv1d.weight, g)[self.tp_channels], copy_to_tp(self.A_log, g)[heads],
-                copy_to_tp(self.dt_bias, g)[heads], copy_to_tp(self.norm.weight, g))
+                copy_to_tp(self.dt_bias, g)[heads], norm_w)
 
 
 def gdn_rank_share(hk: int, hv: int, dk: int, dv: int, rank: int, tp: int) -> tuple[torch.Tensor, slice]:
@@ -197,6 +212,8 @@ def shard_heads(mixer: nn.Module, group) -> None:
         mixer.tp_channels, mixer.tp_value_heads = gdn_rank_share(mixer.hk, mixer.hv, mixer.dk, mixer.dv, rank, tp)
         reclass(mixer, GdnHeads)
         mixer.tp_group = group
+        if mixer.ops.tp_leaves:
+            mixer.norm.tp_gather = partial(gather_rows, group=group)
         mixer.hk, mixer.hv = mixer.hk // tp, mixer.hv // tp
         return
     for norm in (mixer.q_norm, mixer.k_norm):

@@ -9,6 +9,8 @@ the sharded forms for TP = t (t dividing L):
 
   * column-parallel (weight_local = this rank's N/t output rows): L/t whole column
     blocks, the same `linear` calls as those columns of `linear_n_blocks(x, w, L)`;
+    backward, the rank's blocks' input-gradient partials are one subtree of the blocks'
+    fixed tree, which the ranks finish together (`gather_tree_sum`);
   * row-parallel (x_local, weight_local = this rank's K/t share): the rank's L/t leaves
     = one whole subtree, summed locally; the ranks all_gather their subtree sums and
     every rank finishes the SAME fixed tree: equal to `linear_k_leaves(x, w, L)`.
@@ -19,17 +21,36 @@ tree node is the same fp32 addition, so TP = 1, 2, 4, ..., L give identical bits
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from titan_rl.kernels import leaf_partials, linear, linear_k_leaves, linear_n_blocks, tree_sum
 
 __all__ = [
-    "K_LEAVES", "column_parallel_linear", "copy_to_tp", "leaf_partials", "linear_k_leaves",
-    "linear_n_blocks", "row_parallel_linear", "tree_sum",
+    "K_LEAVES", "column_parallel_linear", "copy_to_tp", "gather_rows", "gather_tree_sum", "leaf_partials",
+    "linear_k_leaves", "linear_n_blocks", "row_parallel_linear", "tree_sum",
 ]
 
 K_LEAVES = 8  # a good default leaf count: serves TP = 1, 2, 4, 8
+
+
+def gather_tree_sum(local: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' subtree sums (rank r: the r-th of t equal, aligned subtrees) all_gathered
+    in rank order and the same fixed tree finished on every rank (no autograd)."""
+    local = local.contiguous()
+    bufs = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(bufs, local, group=group)
+    return tree_sum(torch.stack(bufs))
+
+
+def gather_rows(local: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' rows (dim 0) all_gathered and concatenated in rank order (no autograd)."""
+    local = local.contiguous()
+    bufs = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(bufs, local, group=group)
+    return torch.cat(bufs)
 
 
 class _GatherTreeSum(torch.autograd.Function):
@@ -39,11 +60,7 @@ class _GatherTreeSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        world = dist.get_world_size(group)
-        local = local.contiguous()
-        bufs = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(bufs, local, group=group)
-        return tree_sum(torch.stack(bufs))
+        return gather_tree_sum(local, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -88,15 +105,16 @@ def column_parallel_linear(x: torch.Tensor, weight_local: torch.Tensor, group,
                            n_blocks: int = K_LEAVES) -> torch.Tensor:
     """Column-parallel linear: weight_local [N/t, K] holds this rank's consecutive output
     columns. n_blocks > 0: n_blocks/t fixed blocks (bitwise equal to the same columns of
-    `linear_n_blocks` on the full weight); 0: one call (exact only where the kernel's
-    bits do not depend on N)."""
+    `linear_n_blocks` on the full weight), and the input gradient the same fixed tree
+    over all n_blocks blocks' partials as `linear_n_blocks` computes in one process;
+    0: one call (exact only where the kernel's bits do not depend on N) whose input
+    gradient is all-reduced (`copy_to_tp`)."""
     t = dist.get_world_size(group)
-    x = copy_to_tp(x, group)
     if n_blocks == 0:
-        return linear(x, weight_local)
+        return linear(copy_to_tp(x, group), weight_local)
     if n_blocks % t:
         raise ValueError(f"n_blocks = {n_blocks} must be a multiple of the TP degree {t}")
-    return linear_n_blocks(x, weight_local, n_blocks // t)
+    return linear_n_blocks(x, weight_local, n_blocks // t, finish=partial(gather_tree_sum, group=group))
 
 
 def row_parallel_linear(x_local: torch.Tensor, weight_local: torch.Tensor, group,
