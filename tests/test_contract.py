@@ -129,13 +129,21 @@ def test_kernel_mode_is_refused_by_name(base):
 
 @pytest.mark.parametrize("entry, change", [
     ("quantization", {"quantization": "int8"}),
-    ("gradient_leaves", {"gradient_leaves": "8"}),
     ("model_config", {"model_config": "0" * 64}),
     ("selfcheck", {"selfcheck": "failed: linear"}),
 ])
 def test_other_entries_are_refused_by_name(base, entry, change):
     assert diff(base, replace(base, **change)) == [entry]
     assert f"differ in {entry} (" in _refused(base, replace(base, **change))
+
+
+def test_gradient_leaves_are_the_trainers_alone_but_change_its_hash(base):
+    """The engine computes no gradients: the trainer's reduction is not compared with the
+    engine's entry, but two trainers that reduce differently have different hashes."""
+    trainer = replace(base, gradient_leaves="8 leaves, fixed tree")
+    assert diff(trainer, base) == ["gradient_leaves"]
+    assert check(trainer, base) == []
+    assert trainer.hash != replace(base, gradient_leaves="collective").hash != base.hash
 
 
 def test_a_changed_version_is_refused_by_name(base):
@@ -165,6 +173,7 @@ def _trainer(model):
     t = object.__new__(RLTrainer)
     t.model_parts, t.world, t.engine, t._logged_contract = [model], 1, None, None
     t.config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="float32"))
+    t.gradient_reduction = "4 leaves, fixed tree"
     return t
 
 
@@ -174,8 +183,9 @@ def test_trainer_logs_the_contract_and_refuses_a_perturbed_engine(monkeypatch):
     monkeypatch.setattr(contract, "engine_contract", lambda llm: contract_of(model))
     t._check_contract("before the first rollout")
     first, second = t._contract_metrics(), t._contract_metrics()
-    assert first["contract"] == second["contract"] == contract_of(model).hash
-    assert first["contract_entries"] == contract_of(model).entries()  # entries when the hash changes only
+    mine = contract_of(model, gradient_leaves="4 leaves, fixed tree")  # the trainer's side has its reduction
+    assert first["contract"] == second["contract"] == mine.hash
+    assert first["contract_entries"] == mine.entries()  # entries when the hash changes only
     assert "contract_entries" not in second and "contract_differs" not in first
     monkeypatch.setattr(contract, "engine_contract", lambda llm: contract_of(_model(tp_leaves=2)))
     with pytest.raises(ContractMismatch, match=r"after the weight sync of step 3: trainer and engine differ in "

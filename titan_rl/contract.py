@@ -12,7 +12,11 @@ Entries (flat names, `Contract.entries()`; canonical JSON -> sha256 = `Contract.
   arch, model_config    the registered architecture; sha256 of its config (tp_leaves apart)
   kernels, dtype        the kernel mode; the dtype the model computes in
   tp_leaves             the leaf count the model file computes with (0 in stock mode)
-  gradient_leaves       a slot for a choice not built yet: "none"
+  gradient_leaves       the trainer's gradient reduction: "<n> leaves, fixed tree" under
+                        parallelism.deterministic_reduction (titan_rl/titan/leaf_reduction.py),
+                        "collective" (FSDP2's own reduce-scatter) otherwise; a trainer-only
+                        entry (the engine computes no gradients: "none"), so `check` does not
+                        compare it, but it is in the trainer's hash in metrics.jsonl
   quantization          "<recipe>:<layer groups>" the model's linears run (kernels/quant), "none";
                         a stock engine: "vllm:<its quantization method>"
   op.<name>             the function each mode-dependent op calls (Ops), as the kernel
@@ -126,6 +130,10 @@ def diff(a: Contract, b: Contract) -> list[str]:
     return sorted(n for n in ea.keys() | eb.keys() if json.dumps(ea.get(n)) != json.dumps(eb.get(n)))
 
 
+# Entries only the trainer has a value for: never compared with the engine's.
+TRAINER_ONLY = ("gradient_leaves",)
+
+
 def stock_may_differ(name: str) -> bool:
     """Entries that differ between a stock trainer and a stock engine by design."""
     return name.startswith("op.") or name == "quantization"
@@ -135,7 +143,7 @@ def check(trainer_side: Contract, engine_side: Contract, when: str = "") -> list
     """[] when both sides agree; with kernels = "stock" on both sides, the op entries that
     differ (to be logged). Any other difference raises ContractMismatch naming each entry
     with both values."""
-    names = diff(trainer_side, engine_side)
+    names = [n for n in diff(trainer_side, engine_side) if n not in TRAINER_ONLY]
     both_stock = trainer_side.kernels == engine_side.kernels == "stock"
     refused = [n for n in names if not (both_stock and stock_may_differ(n))]
     if refused:
@@ -150,11 +158,12 @@ def check(trainer_side: Contract, engine_side: Contract, when: str = "") -> list
 # -- each side ----------------------------------------------------------------------------
 
 def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
-                attention: Callable | None = None) -> Contract:
+                attention: Callable | None = None, gradient_leaves: str = NOT_BUILT) -> Contract:
     """The contract of a model built by a registered architecture (its `ops` and `cfg`),
     computing in `dtype` (default: its parameters' dtype; a trainer under FSDP mixed
     precision passes the policy's) with `attention` (default: its own dense
-    `ops.causal_attention`; the engine passes the kernel its attention backend calls)."""
+    `ops.causal_attention`; the engine passes the kernel its attention backend calls);
+    the trainer passes its `gradient_leaves` entry."""
     ops, cfg = model.ops, model.cfg
     dtype = dtype or _param_dtype(model)
     device = _param_device(model)
@@ -166,7 +175,7 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
         dtype=_dtype_name(dtype), tp_leaves=int(ops.tp_leaves), ops=named, sources=kernel_sources(),
         platform=platform_choices(device),
         selfcheck=_selfcheck(ops.kernels, dtype, getattr(cfg, "head_dim", 128), device), versions=versions(),
-        quantization=_quantization(ops))
+        quantization=_quantization(ops), gradient_leaves=gradient_leaves)
 
 
 def engine_contract(llm) -> Contract:

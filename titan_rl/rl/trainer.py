@@ -174,6 +174,7 @@ class RLTrainer(Trainer):
         # parallelism.deterministic_reduction: the step's global batch is cut into gradient
         # leaves, reduced by one fixed tree (titan_rl.titan.leaf_reduction); None: FSDP2's own
         self.leaves = leaf_reduction.install(self.model) if deterministic_reduction(rl) else None
+        self.gradient_reduction = f"{gradient_leaf_count(rl)} leaves, fixed tree" if self.leaves else "collective"
         tok = self.task.tokenizer
         vocab = self.model_parts[0].cfg.vocab_size
         if tok.vocab_size > vocab:
@@ -316,7 +317,8 @@ class RLTrainer(Trainer):
         """The execution contract (titan_rl.contract) of the trainer's model against the
         engine's, computed from what each side holds; all ranks stop together if one
         refuses. The trainer computes in its FSDP mixed-precision dtype."""
-        mine = contract.contract_of(self.model, dtype=DTYPES[self.config.training.mixed_precision_param])
+        mine = contract.contract_of(self.model, dtype=DTYPES[self.config.training.mixed_precision_param],
+                                    gradient_leaves=self.gradient_reduction)
         engine = contract.engine_contract(self.engine)
         error, differs = None, []
         try:
