@@ -69,8 +69,13 @@ def test_a_batch_the_ranks_cannot_share_is_refused_naming_the_keys():
     with pytest.raises(config.ConfigError, match=r"algorithm.sft_batch = 10 must be divisible by the data-parallel "
                                                  r"degree 4 \(WORLD_SIZE = 8 / parallelism.tensor_parallel_degree = 2"):
         check_global_batch(cfg, 8)
-    cfg = config.load(None, ["--algorithm.prompts_per_step=4", "--algorithm.sft_batch=10", "--algorithm.sft_steps=0"])
+    cfg = config.load(None, ["--algorithm.prompts_per_step=4", "--algorithm.sft_batch=10", "--algorithm.sft_steps=0",
+                             "--parallelism.gradient_leaves=4"])
     check_global_batch(cfg, 4)  # no SFT step: sft_batch is never drawn
+    auto = config.load(None, ["--algorithm.prompts_per_step=4", "--algorithm.sft_steps=0"])
+    with pytest.raises(config.ConfigError, match=r"parallelism.gradient_leaves = 2 \(0 = auto: .*\) must be divisible by "
+                                                 r"the data-parallel degree 4 .* a power of two >= 4"):
+        check_global_batch(auto, 4)
     with pytest.raises(ValueError, match="do not split"):
         rank_share(5, 2, 0)
 
@@ -154,7 +159,9 @@ def test_gradient_leaves_tile_the_global_batch_in_aligned_runs():
         with pytest.raises(ValueError):
             gradient_leaves(*bad, 0)
     auto = config.load(None, ["--algorithm.prompts_per_step=3", "--algorithm.group_size=4", "--algorithm.sft_batch=16"])
-    assert config.gradient_leaf_count(auto) == 4  # 12 and 16 sequences: 4 leaves
+    assert config.gradient_leaf_count(auto) == config.AUTO_MAX_LEAVES == 2  # 12 and 16 sequences
+    odd = config.load(None, ["--algorithm.prompts_per_step=1", "--algorithm.group_size=3", "--algorithm.sft_steps=0"])
+    assert config.gradient_leaf_count(odd) == 1  # 3 sequences: no power of two above 1 divides them
     assert config.deterministic_reduction(auto)  # on by default in exact mode
     assert not config.deterministic_reduction(config.load(None, ["--model.kernels=\"stock\""]))
 

@@ -38,9 +38,11 @@ def check_global_batch(cfg: Config, world: int) -> None:
                 f"rank takes an equal share")
     leaves = gradient_leaf_count(cfg)
     if deterministic_reduction(cfg) and leaves % dp:
-        raise ConfigError(f"parallelism.gradient_leaves = {leaves} must be divisible by the data-parallel degree {dp} "
-                          f"(WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): each rank owns an "
-                          "equal run of leaves; or set parallelism.deterministic_reduction = false")
+        what = "" if cfg.parallelism.gradient_leaves else " (0 = auto: the largest power of two up to 2 dividing the batches)"
+        raise ConfigError(f"parallelism.gradient_leaves = {leaves}{what} must be divisible by the data-parallel degree "
+                          f"{dp} (WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): each rank owns an "
+                          f"equal run of leaves; set parallelism.gradient_leaves to a power of two >= {dp} that divides "
+                          "the batches, or parallelism.deterministic_reduction = false")
 
 
 def gradient_leaves(total: int, n_leaves: int, dp_degree: int, dp_rank: int) -> list[range]:
