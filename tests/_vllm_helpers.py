@@ -1,8 +1,8 @@
 """Shared helpers of the vLLM parity tests: generate, rescore in one batch, random prompts."""
 
-import os
 
 import torch
+from _seeds import draw_seed
 from vllm import SamplingParams
 
 from titan_rl.kernels import log_softmax_fp32
@@ -50,8 +50,7 @@ def random_checkpoint(tmp_path_factory, make_model, dtype: str, arch: str = "qwe
     make_model(seed) -> model with initialised weights."""
     from titan_rl.checkpoint import load_hf_folder, save_hf_folder
 
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"weights seed={seed}")
+    seed = draw_seed("weights seed")
     folder = str(tmp_path_factory.mktemp(f"{arch}_{dtype}"))
     save_hf_folder(make_model(seed), folder, dtype=DTYPES[dtype])
     return folder, load_hf_folder(folder, kernels="exact", dtype=DTYPES[dtype], arch=arch).eval()

@@ -8,12 +8,31 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+from _seeds import draw_seed, sweep_size  # noqa: E402
+
+
 @pytest.fixture
-def rng():
-    """Fresh random inputs each run: the seed is drawn from the OS and printed on failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
+def seed_draw():
+    """The index of a seed sweep's draw (parametrized only under TITAN_RL_SEEDS > 1)."""
+    return 0
+
+
+@pytest.fixture
+def seed(seed_draw):
+    """A fresh seed each run (tests/_seeds.py), printed on failure."""
+    return draw_seed()
+
+
+@pytest.fixture
+def rng(seed):
+    """Fresh random inputs each run: a generator at the `seed` fixture's seed."""
     return torch.Generator().manual_seed(seed)
+
+
+def pytest_generate_tests(metafunc):
+    n = sweep_size()
+    if n > 1 and "seed_draw" in metafunc.fixturenames:
+        metafunc.parametrize("seed_draw", range(n), ids=lambda i: f"draw{i}")
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
@@ -23,3 +42,33 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(old)
+
+
+# TITAN_RL_TOLERANCE_REPORT=FILE (with a TITAN_RL_SEEDS sweep): every assert_close records
+# how much of its tolerance it used, max |a - b| / (atol + rtol |b|) per test, into FILE
+# (JSON, written at the end), so a tolerance's margin over many seeds is measured, not hoped.
+_USED: dict[str, float] = {}
+if os.environ.get("TITAN_RL_TOLERANCE_REPORT"):
+    _assert_close = torch.testing.assert_close
+
+    def _recording_assert_close(actual, expected, *args, rtol=None, atol=None, **kwargs):
+        if rtol is not None and atol is not None and isinstance(actual, torch.Tensor):
+            a, b = actual.detach().double(), torch.as_tensor(expected).detach().double()
+            if a.shape == b.shape and a.numel():
+                ok = torch.isfinite(a) & torch.isfinite(b)
+                used = ((a - b).abs() / (atol + rtol * b.abs()))[ok]
+                test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("[")[0]
+                if used.numel():
+                    _USED[test] = max(_USED.get(test, 0.0), float(used.max()))
+        return _assert_close(actual, expected, *args, rtol=rtol, atol=atol, **kwargs)
+
+    torch.testing.assert_close = _recording_assert_close
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("TITAN_RL_TOLERANCE_REPORT")
+    if path and _USED:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(dict(sorted(_USED.items(), key=lambda kv: -kv[1])), f, indent=1)

@@ -8,9 +8,9 @@ discarded): the recorded log-probs equal the trainer's sampled_logprobs bitwise 
 the kept mass.
 """
 
-import os
 
 import pytest
+from _seeds import draw_seed
 import torch
 
 from titan_rl.kernels.sampling import apply_top_k_top_p, kept_mask, sampled_logprobs
@@ -110,8 +110,7 @@ def engine(tmp_path_factory):
     from titan_rl.registry import get_architecture
     from titan_rl.vllm.sampling import install
 
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"weights seed={seed}")
+    seed = draw_seed("weights seed")
     folder = str(tmp_path_factory.mktemp("w_sampling"))
     save_hf_folder(build("debug").init_weights(seed, 0.05), folder, dtype=torch.float32)
     install()

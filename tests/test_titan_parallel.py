@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _seeds import draw_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_titan_parallel_worker.py"
@@ -103,8 +104,7 @@ def test_tp2_moe_forward_and_routes_are_bitwise(tmp_path):
 def hybrid_and_engine_tp(tmp_path_factory) -> dict:
     """One torchrun launch for the GDN hybrid at TP = 2 and the engine at TP = 2 (vLLM's
     start-up dominates both; the engine part goes last). Fresh seed, printed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
+    seed = draw_seed()
     return launch("tp_hybrid+engine_tp", 2, tmp_path_factory.mktemp("tp2"), timeout=400,
                   env_extra={"TITAN_TEST_SEED": str(seed)})
 

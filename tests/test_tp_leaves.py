@@ -9,7 +9,6 @@ same log-probs as the trainer-side model, bit for bit.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -20,12 +19,6 @@ from titan_rl.models.qwen3 import FLAVORS, Linear, Qwen3Config, build
 
 L = 4
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def _fresh_seed() -> int:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    return seed
 
 
 def _model(tp_leaves: int, seed: int, dtype=torch.float32, kernels: str = "exact"):
@@ -64,8 +57,7 @@ def test_leaf_primitives_have_one_definition():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_row_alone_equals_row_in_batch(dtype):
-    seed = _fresh_seed()
+def test_row_alone_equals_row_in_batch(dtype, seed):
     m = _model(L, seed, DTYPES[dtype])
     g = torch.Generator().manual_seed(seed)
     tok = torch.randint(0, m.cfg.vocab_size, (5, 41), generator=g)
@@ -85,8 +77,7 @@ def test_row_alone_equals_row_in_batch(dtype):
         assert (batch - plain).abs().mean() < 5e-2
 
 
-def test_stock_mode_ignores_tp_leaves():
-    seed = _fresh_seed()
+def test_stock_mode_ignores_tp_leaves(seed):
     a, b = _model(L, seed, kernels="stock"), _model(0, seed, kernels="stock")
     assert a.ops.tp_leaves == 0
     tok = torch.randint(0, a.cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(seed))
@@ -141,14 +132,13 @@ def test_validation_intermediate_and_heads():
 # -- the rollout engine builds the same model from config.json ------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
+def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed):
     pytest.importorskip("vllm")
     from vllm import SamplingParams
 
     from titan_rl.checkpoint import save_hf_folder
     from titan_rl.vllm.engine import engine_model, make_llm
 
-    seed = _fresh_seed()
     trainer = _model(L, seed, DTYPES[dtype])
     folder = str(tmp_path / "w")
     save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
@@ -173,7 +163,7 @@ def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
+def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed):
     """The GDN hybrid with tp_leaves = 4 (the odd-sized model of the TP = 2 test in
     tests/test_titan_parallel.py, whose model file equals TP = 2): vLLM's hybrid wrapper at
     TP = 1, built from config.json, records the trainer's log-probs bit for bit, with
@@ -186,7 +176,6 @@ def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype):
     from titan_rl.models import qwen3_hybrid
     from titan_rl.vllm.engine import engine_model, make_llm
 
-    seed = _fresh_seed()
     trainer = qwen3_hybrid.build(hybrid_config(L)).init_weights(seed, 0.05).to(DTYPES[dtype]).eval()
     folder = str(tmp_path / "w")
     save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
@@ -231,13 +220,13 @@ def test_engine_tp_needs_tp_leaves():
 # -- the backward's fixed pieces (TP ranks simulated in one process) ------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_column_blocks_backward_equals_the_ranks_subtrees(dtype):
+def test_column_blocks_backward_equals_the_ranks_subtrees(dtype, seed):
     """linear_n_blocks' gradients from L blocks in one call equal those of t "ranks" each
     holding L/t blocks (input gradient: each rank's subtree, finished by one tree), for
     fresh inputs and odd row counts."""
     from titan_rl.kernels import tree_sum
 
-    g = torch.Generator().manual_seed(_fresh_seed())
+    g = torch.Generator().manual_seed(seed)
     dt, blocks = DTYPES[dtype], 8
     for rows, k, n in ((1, 40, 8 * 6), (13, 72, 8 * 10), (37, 24, 8 * 3)):
         x = torch.randn(rows, k, generator=g).to(dt).requires_grad_()
@@ -262,13 +251,13 @@ def test_column_blocks_backward_equals_the_ranks_subtrees(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_head_norm_weight_gradient_equals_the_ranks_heads(dtype):
+def test_head_norm_weight_gradient_equals_the_ranks_heads(dtype, seed):
     """rms_norm_heads (forward: rms_norm's bits): the gradients from all H heads in one
     call equal those of 2 "ranks" of H/2 heads each, whose per-head weight partials are
     gathered in rank order (H = 6: the tree over heads is padded to 8)."""
     from titan_rl.kernels import rms_norm, rms_norm_heads
 
-    g = torch.Generator().manual_seed(_fresh_seed())
+    g = torch.Generator().manual_seed(seed)
     dt, t = DTYPES[dtype], 2
     for rows, h, d in ((1, 4, 64), (29, 8, 32), (7, 6, 16)):
         x = torch.randn(rows, h, d, generator=g).to(dt).requires_grad_()

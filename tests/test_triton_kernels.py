@@ -247,7 +247,7 @@ def _rows_invariant(fn, x, *rest, sizes=(1, 2, 5)):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_and_rope_match_reference_and_are_row_invariant(dtype, rng):
     from titan_rl.kernels.elementwise import triton_impl as ew
-    from titan_rl.kernels.elementwise.reference import rope_reference, silu_mul_reference
+    from titan_rl.kernels.elementwise.reference import rope_error_bound, rope_reference, silu_mul_reference
 
     g, u = (3 * torch.randn(11, 200, generator=rng)).to(dtype), torch.randn(11, 200, generator=rng).to(dtype)
     y = _rows_invariant(ew.silu_mul, g, u)
@@ -255,7 +255,9 @@ def test_silu_mul_and_rope_match_reference_and_are_row_invariant(dtype, rng):
     x = torch.randn(9, 3, 32, generator=rng).to(dtype)
     pos = torch.randint(0, 3000, (9,), generator=rng)
     y = _rows_invariant(lambda a, p: ew.rope(a, p, 1e6), x, pos)
-    torch.testing.assert_close(y, rope_reference(x, pos, 1e6), rtol=TOL[dtype], atol=TOL[dtype])
+    # HF's fp32 angles on both sides; the kernel's roundings are bounded per element (any seed)
+    err = (y.double() - rope_reference(x, pos, 1e6).double()).abs()
+    assert bool((err <= rope_error_bound(x, dtype)).all()), float((err / rope_error_bound(x, dtype)).max())
 
 
 def test_moe_router_and_combine_match_reference_and_are_row_invariant(rng):
