@@ -50,6 +50,13 @@ TABLE: dict[str, dict[str, str]] = {
     "router_topk": {"torch": "moe.torch_impl:router_topk", "triton": "moe.triton_impl:router_topk"},
     "drop_mask": {"torch": "sampling.torch_impl:drop_mask", "triton": "sampling.triton_impl:drop_mask"},
     "moe_experts": {"torch": "moe.torch_impl:moe_experts", "triton": "moe.triton_impl:moe_experts"},
+    # the tensor-parallel pieces (fixed column blocks, K-leaves and their tree, the per-head
+    # norm's tree): the CPU implementation only, so far
+    "tree_sum": {"torch": "matmul.torch_impl:tree_sum"},
+    "leaf_partials": {"torch": "matmul.torch_impl:leaf_partials"},
+    "linear_k_leaves": {"torch": "matmul.torch_impl:linear_k_leaves"},
+    "linear_n_blocks": {"torch": "matmul.torch_impl:linear_n_blocks"},
+    "rms_norm_heads": {"torch": "rmsnorm.torch_impl:rms_norm_heads"},
 }
 
 _forced: list[str] = []
@@ -96,6 +103,9 @@ def implementation(op: str, device: torch.device | str) -> Callable:
     if hit is None:
         if op not in TABLE:
             raise KeyError(f"kernel op {op!r} is not in the dispatch table; ops: {sorted(TABLE)}")
+        if key[1] not in TABLE[op]:
+            raise NotImplementedError(f"kernel op {op!r} has no {key[1]!r} implementation (only "
+                                      f"{sorted(TABLE[op])}); tensors on {device} cannot run it")
         module, attr = TABLE[op][key[1]].split(":")
         hit = _MODULES[key] = (importlib.import_module(f"titan_rl.kernels.{module}"), attr)
     return getattr(hit[0], hit[1])
@@ -136,9 +146,36 @@ def resolve(fn: Callable, device: torch.device | str) -> Callable:
 
 
 def choices(device: torch.device | str) -> dict[str, str]:
-    """op -> "module.attribute" of what runs on `device` (the dispatcher's column)."""
+    """op -> "module.attribute" of what runs on `device` (the dispatcher's column; ops
+    without an implementation there are left out)."""
     out = {}
+    backend = backend_for(device)
     for op in TABLE:
+        if backend not in TABLE[op]:
+            continue
         fn = implementation(op, device)
         out[op] = f"{fn.__module__}.{fn.__qualname__}"
     return out
+
+
+# -- the ops: the only Dispatched objects (titan_rl.kernels and its subpackages re-export them)
+attention_dense = Dispatched("attention_dense")
+attention_paged = Dispatched("attention_paged")
+kv_cache_write = Dispatched("kv_cache_write")
+gemm_weight = Dispatched("gemm_weight")
+linear = Dispatched("linear")
+lm_head_logits = Dispatched("lm_head_logits")
+log_softmax_fp32 = Dispatched("log_softmax_fp32")
+rms_norm = Dispatched("rms_norm")
+rope = Dispatched("rope")
+silu_mul = Dispatched("silu_mul")
+token_logprobs = Dispatched("token_logprobs")
+gdn_recurrent = Dispatched("gdn_recurrent")
+router_topk = Dispatched("router_topk")
+moe_experts = Dispatched("moe_experts")
+drop_mask = Dispatched("drop_mask")
+tree_sum = Dispatched("tree_sum")
+leaf_partials = Dispatched("leaf_partials")
+linear_k_leaves = Dispatched("linear_k_leaves")
+linear_n_blocks = Dispatched("linear_n_blocks")
+rms_norm_heads = Dispatched("rms_norm_heads")

@@ -30,9 +30,9 @@ from titan_rl.kernels import (attention_dense, gdn_recurrent, linear, linear_k_l
                               rms_norm, rms_norm_heads, silu_mul)
 from titan_rl.kernels import rope as rope_exact
 from titan_rl.kernels.gdn import gdn_chunked, l2norm, lane_stable
-from titan_rl.kernels.mode import KernelMode
-from titan_rl.kernels.quant.recipes import QUANT_LAYERS, QuantLayer, QuantRecipe
+from titan_rl.kernels.quant.recipes import QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
+from titan_rl.models.options import ModelOptions
 
 
 class Ops:
@@ -52,22 +52,16 @@ class Ops:
     input size depends on the batch; gdn_l2norm(x) -> fp32 per-head L2 norm;
     gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state)."""
 
-    def __init__(self, kernels: KernelMode, tp_leaves: int = 0, quant_recipe: QuantRecipe = "none",
-                 quant_layers: tuple[QuantLayer, ...] = QUANT_LAYERS):
-        self.kernels = kernels
-        exact = kernels == "exact"
-        self.quant_recipe: QuantRecipe = quant_recipe if exact else "none"
-        self.quant_layers = tuple(quant_layers) if self.quant_recipe != "none" else ()
-        self.linear = linear if exact else F.linear
-        self.rms_norm = rms_norm if exact else rms_norm_eager
-        self.silu_mul = silu_mul if exact else _silu_mul
-        self.rope = rope_exact if exact else rope
-        self.causal_attention = attention_dense if exact else _sdpa_causal
-        self.lm_head = lm_head_logits if exact else _linear_fp32
-        self.gdn_elementwise = lane_stable if exact else _plain
-        self.gdn_l2norm = l2norm if exact else _plain_l2norm
-        self.gdn_recurrence = gdn_recurrent if exact else gdn_chunked
-        self.tp_leaves = tp_leaves if exact else 0
+    def __init__(self, options: ModelOptions):
+        self.options = options.validate()
+        self.kernels = options.kernels
+        exact = options.kernels == "exact"
+        for name, (exact_fn, stock_fn) in MODE_OPS.items():
+            setattr(self, name, exact_fn if exact else stock_fn)
+        q = options.quantization
+        self.quant_recipe: QuantRecipe = q.recipe if exact else "none"
+        self.quant_layers = tuple(q.layers) if self.quant_recipe != "none" else ()
+        self.tp_leaves = options.tp_leaves if exact else 0
         # One GEMM over concatenated weights (same_input) is a choice of the exact kernels.
         self.fuse_same_input = exact
 
@@ -148,3 +142,18 @@ def _plain(fn, x):
 def _plain_l2norm(x, eps: float = 1e-6):
     xf = x.float()
     return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+
+
+# The one list of mode-dependent ops: name -> (exact, stock). Ops binds each as an
+# attribute; the execution contract names what each resolves to (titan_rl/contract.py).
+MODE_OPS: dict[str, tuple[Callable, Callable]] = {
+    "linear": (linear, F.linear),
+    "rms_norm": (rms_norm, rms_norm_eager),
+    "silu_mul": (silu_mul, _silu_mul),
+    "rope": (rope_exact, rope),
+    "causal_attention": (attention_dense, _sdpa_causal),
+    "lm_head": (lm_head_logits, _linear_fp32),
+    "gdn_elementwise": (lane_stable, _plain),
+    "gdn_l2norm": (l2norm, _plain_l2norm),
+    "gdn_recurrence": (gdn_recurrent, gdn_chunked),
+}

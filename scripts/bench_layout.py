@@ -13,29 +13,23 @@ the RL steps after the first of each (which include warm-up).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
 from titan_rl.jsonout import write_json
+from titan_rl.launch import free_port
+from titan_rl.run_dir import read_metrics
 
 RL_PHASES = ("forward", "backward", "optimizer", "rollout", "weight_sync")
 MODES = {"deterministic": "true", "plain": "false"}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_mode(flag: str, args) -> dict:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     with tempfile.TemporaryDirectory() as d:
-        cmd = [torchrun, "--nproc_per_node=2", f"--master_port={_port()}", "-m", "titan_rl.train", "--run-dir", d,
+        cmd = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "titan_rl.train", "--run-dir", d,
                f"--model.dtype={args.dtype}", f"--parallelism.deterministic_reduction={flag}",
                f"--training.steps={args.steps}", "--lr_scheduler.warmup_steps=1",
                f"--algorithm.sft_steps={args.sft_steps}", f"--algorithm.sft_batch={args.sft_batch}",
@@ -45,8 +39,7 @@ def run_mode(flag: str, args) -> dict:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode != 0:
             raise SystemExit(f"deterministic_reduction = {flag}: trainer failed\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-        with open(os.path.join(d, "metrics.jsonl")) as f:
-            lines = [json.loads(ln) for ln in f if ln.strip()]
+        lines = read_metrics(d)
     sft = [m for m in lines if m["phase"] == "sft"][1:]
     rl = [m for m in lines if m["phase"] == "rl"][1:]
     if not sft or not rl:

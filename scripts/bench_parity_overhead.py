@@ -25,6 +25,7 @@ import torch
 
 from titan_rl.checkpoint import save_hf_folder
 from titan_rl.jsonout import write_json
+from titan_rl.models.options import ModelOptions
 from titan_rl.models.qwen3 import build
 
 
@@ -89,7 +90,7 @@ def bench_train(args):
     dtype = getattr(torch, args.dtype)
     models = {}
     for e in ("exact", "stock"):
-        models[e] = build(args.flavor, kernels=e).init_weights(0).to(dtype)
+        models[e] = build(args.flavor, ModelOptions(kernels=e)).init_weights(0).to(dtype)
     tokens = torch.randint(0, models["exact"].cfg.vocab_size, (args.train_batch, args.train_len))
     times = {e: [] for e in models}
 

@@ -43,13 +43,14 @@ def bench(arch: str, flavor: str, recipe: str, args) -> dict:
     from vllm import SamplingParams
 
     from titan_rl.checkpoint import save_hf_folder
-    from titan_rl.models.qwen3 import Linear
+    from titan_rl.models.layers import Linear
+    from titan_rl.models.options import ModelOptions, Quantization
     from titan_rl.quant_weights import held_bytes, quantized_state, state_bytes, weight_recipes
     from titan_rl.registry import get_architecture
     from titan_rl.vllm.engine import engine_model, make_llm, update_weights
 
     spec = get_architecture(arch)
-    model = spec.build(flavor, quant_recipe=recipe).init_weights(0).to(torch.bfloat16)
+    model = spec.build(flavor, ModelOptions(quantization=Quantization(recipe))).init_weights(0).to(torch.bfloat16)
     vocab = model.cfg.vocab_size
     out: dict = {"recipe": recipe}
     g = torch.Generator().manual_seed(0)

@@ -241,6 +241,7 @@ def speed(dev, dtype) -> dict:
     from titan_rl.kernels.attention import triton_impl as at
     from titan_rl.kernels.matmul import triton_impl as mm
     from titan_rl.models import qwen3
+    from titan_rl.models.options import ModelOptions
 
     out = {}
     g = torch.Generator().manual_seed(3)
@@ -261,7 +262,7 @@ def speed(dev, dtype) -> dict:
                                                          is_causal=True, scale=s, enable_gqa=True))
         out[f"attention B={B} L={L} H={H}/{Hkv} D={D}"] = {"ours_ms": ours, "sdpa_ms": ref, "ratio": ours / ref}
     exact = qwen3.build("small").init_weights(1).to(device=dev, dtype=dtype)
-    stock = qwen3.build("small", kernels="stock").to(device=dev, dtype=dtype)
+    stock = qwen3.build("small", ModelOptions(kernels="stock")).to(device=dev, dtype=dtype)
     stock.load_state_dict(exact.state_dict())
     cfg = exact.cfg
     B, C, page = 32, 512, 16

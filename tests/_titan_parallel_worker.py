@@ -34,8 +34,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 
 from titan_rl.titan.model import load_full_state_dict  # noqa: E402
-from titan_rl.titan.parallelize import apply_fsdp, parallelize_qwen3  # noqa: E402
+from titan_rl.titan.parallelize import apply_fsdp, parallelize_fn  # noqa: E402
 from titan_rl.titan.spec import model_config  # noqa: E402
+from titan_rl.models.options import ModelOptions  # noqa: E402
 
 SEED = 1234
 B, L = 2, 40  # L not a multiple of the attention block: exercises the padding
@@ -46,7 +47,7 @@ def tokens(vocab: int) -> torch.Tensor:
 
 
 def build(tp_leaves: int = 0, meta: bool = False, **kw):
-    cfg = model_config("qwen3", "debug", "exact", tp_leaves=tp_leaves, init_seed=SEED, **kw)
+    cfg = model_config("qwen3", "debug", ModelOptions(tp_leaves=tp_leaves), init_seed=SEED, **kw)
     if meta:
         with torch.device("meta"):
             return cfg.build()
@@ -56,12 +57,11 @@ def build(tp_leaves: int = 0, meta: bool = False, **kw):
 def model_file(tp_leaves: int):
     """The model file built directly (no TitanModel): what the rollout engine builds from
     a config.json with titan_tp_leaves = tp_leaves."""
-    from dataclasses import replace as dc_replace
 
     from titan_rl.models.qwen3 import FLAVORS
     from titan_rl.models.qwen3 import build as build_qwen3
 
-    return build_qwen3(dc_replace(FLAVORS["debug"], tp_leaves=tp_leaves)).init_weights(SEED)
+    return build_qwen3(FLAVORS["debug"], ModelOptions(tp_leaves=tp_leaves)).init_weights(SEED)
 
 
 def parallel_dims(dp_shard: int, tp: int) -> ParallelDims:
@@ -93,7 +93,7 @@ def run_fsdp(res: dict) -> None:
 
     # 1. forward: eager-built model, sharded afterwards.
     m = build()
-    parallelize_qwen3(m, parallel_dims=pd)
+    parallelize_fn(m, parallel_dims=pd)
     with torch.no_grad():
         got = m(tok)
     res["fsdp_forward_equal"] = torch.equal(got, want)
@@ -101,7 +101,7 @@ def run_fsdp(res: dict) -> None:
 
     # 2. the Trainer's order: meta build -> parallelize -> to_empty -> init_weights.
     mm = build(meta=True)
-    parallelize_qwen3(mm, parallel_dims=pd)
+    parallelize_fn(mm, parallel_dims=pd)
     mm.to_empty(device="cpu")
     mm.init_weights()
     with torch.no_grad():
@@ -114,7 +114,7 @@ def run_fsdp(res: dict) -> None:
 
     tied = dc_replace(FLAVORS["debug"], tie_word_embeddings=True)
     mt = build(meta=True, model_config=tied)
-    parallelize_qwen3(mt, parallel_dims=pd)
+    parallelize_fn(mt, parallel_dims=pd)
     mt.to_empty(device="cpu")
     mt.init_weights()
     with torch.no_grad():
@@ -157,8 +157,8 @@ def run_fsdp(res: dict) -> None:
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     ma, mn = build(), build()
-    parallelize_qwen3(ma, parallel_dims=pd, ac_config=FullAC.Config())
-    parallelize_qwen3(mn, parallel_dims=pd)
+    parallelize_fn(ma, parallel_dims=pd, ac_config=FullAC.Config())
+    parallelize_fn(mn, parallel_dims=pd)
     for mod in (ma, mn):
         (ce_loss_sum(mod(rows), rows) / n_tok).backward()
     res["fsdp_full_ac_grads_equal"] = all(
@@ -181,7 +181,7 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
 
     # 1. exact TP: tp_leaves = 8, eager-built then sharded.
     m = build(tp_leaves=8)
-    parallelize_qwen3(m, parallel_dims=pd)
+    parallelize_fn(m, parallel_dims=pd)
     with torch.no_grad():
         got = m(tok)
     res["tp_leaves_forward_equal"] = torch.equal(got, want8)
@@ -190,7 +190,7 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
 
     # 2. meta build -> parallelize -> to_empty -> init_weights (the Trainer's order).
     mm = build(tp_leaves=8, meta=True)
-    parallelize_qwen3(mm, parallel_dims=pd)
+    parallelize_fn(mm, parallel_dims=pd)
     mm.to_empty(device="cpu")
     mm.init_weights()
     with torch.no_grad():
@@ -198,7 +198,7 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
 
     # 3. plain TP (tp_leaves = 0): all-reduce of rank partials, close to the model file's forward.
     m0 = build()
-    parallelize_qwen3(m0, parallel_dims=pd)
+    parallelize_fn(m0, parallel_dims=pd)
     with torch.no_grad():
         got0 = m0(tok)
     res["tp_plain_forward_equal"] = torch.equal(got0, want)
@@ -206,7 +206,7 @@ def run_tp(res: dict, dp_shard: int = 1) -> None:
 
     # 4. bf16 weights, exact TP.
     mb = build(tp_leaves=8).to(torch.bfloat16)
-    parallelize_qwen3(mb, parallel_dims=pd)
+    parallelize_fn(mb, parallel_dims=pd)
     ref8b = build(tp_leaves=8).to(torch.bfloat16)
     with torch.no_grad():
         got_b = mb(tok)
@@ -234,27 +234,26 @@ def run_tp_moe(res: dict) -> None:
     """MoE (debug_moe, tp_leaves = 8) at TP = world: experts sharded like the dense MLP,
     router replicated. Forward logits and routes vs the model file (= the rollout
     engine's model), fp32 and bf16; routes replayed under TP are the forced ones."""
-    from dataclasses import replace as dc_replace
 
     from titan_rl.models import qwen3_moe
 
     pd = parallel_dims(1, dist.get_world_size())
 
     def titan(dtype):
-        m = model_config("qwen3_moe", "debug_moe", "exact", tp_leaves=8, init_seed=SEED).build().init_weights()
+        m = model_config("qwen3_moe", "debug_moe", ModelOptions(tp_leaves=8), init_seed=SEED).build().init_weights()
         with torch.no_grad():  # a decisive router, so routing varies across tokens
             for layer in m.model.layers:
                 layer.mlp.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(SEED))
         return m.to(dtype)
 
-    direct = qwen3_moe.build(dc_replace(qwen3_moe.FLAVORS["debug_moe"], tp_leaves=8))
+    direct = qwen3_moe.build(qwen3_moe.FLAVORS["debug_moe"], ModelOptions(tp_leaves=8))
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         ref = titan(dtype)
         direct.load_state_dict(ref.state_dict())
         direct.to(dtype)
         tok = tokens(ref.cfg.vocab_size)
         m = titan(dtype)
-        parallelize_qwen3(m, parallel_dims=pd)
+        parallelize_fn(m, parallel_dims=pd)
         with torch.no_grad():
             want = direct(tok)
             want_routes = [r.clone() for r in direct.last_routes]
@@ -278,7 +277,7 @@ def run_tp_moe(res: dict) -> None:
     m.set_route_override(None)
 
 
-def hybrid_config(tp_leaves: int):
+def hybrid_config():
     """A small hybrid with odd-ish sizes: hidden 200, vocab 997, 3 value heads per key head,
     dk != dv, conv kernel 3, layers GDN / attention / GDN."""
     from titan_rl.models.qwen3_hybrid import Qwen3HybridConfig
@@ -287,7 +286,7 @@ def hybrid_config(tp_leaves: int):
         vocab_size=997, hidden_size=200, intermediate_size=328, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=16,
-        linear_conv_kernel_dim=3, full_attention_interval=2, tp_leaves=tp_leaves)
+        linear_conv_kernel_dim=3, full_attention_interval=2)
 
 
 def run_tp_hybrid(res: dict) -> None:
@@ -297,13 +296,13 @@ def run_tp_hybrid(res: dict) -> None:
     from titan_rl.models import qwen3_hybrid
 
     pd = parallel_dims(1, dist.get_world_size())
-    cfg = hybrid_config(4)
+    cfg, options = hybrid_config(), ModelOptions(tp_leaves=4)
     seed = int(os.environ.get("TITAN_TEST_SEED", "7"))
     g = torch.Generator().manual_seed(seed)
     batches = [torch.randint(0, cfg.vocab_size, shape, generator=g) for shape in ((3, 37), (1, 61), (5, 9))]
 
     def titan(meta: bool = False):
-        mc = model_config("qwen3_hybrid", "debug_hybrid", "exact", model_config=cfg, init_seed=SEED, init_std=0.05)
+        mc = model_config("qwen3_hybrid", "debug_hybrid", options, model_config=cfg, init_seed=SEED, init_std=0.05)
         if meta:
             with torch.device("meta"):
                 return mc.build()
@@ -311,11 +310,11 @@ def run_tp_hybrid(res: dict) -> None:
 
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         ref = titan().to(dtype)
-        direct = qwen3_hybrid.build(cfg)
+        direct = qwen3_hybrid.build(cfg, options)
         direct.load_state_dict(ref.state_dict())
         direct.to(dtype)
         m = titan().to(dtype)
-        parallelize_qwen3(m, parallel_dims=pd)
+        parallelize_fn(m, parallel_dims=pd)
         eq_ref, eq_direct, diff = True, True, 0.0
         with torch.no_grad():
             for tok in batches:
@@ -331,7 +330,7 @@ def run_tp_hybrid(res: dict) -> None:
 
     # the Trainer's order: meta build -> parallelize -> to_empty -> init_weights
     mm = titan(meta=True)
-    parallelize_qwen3(mm, parallel_dims=pd)
+    parallelize_fn(mm, parallel_dims=pd)
     mm.to_empty(device="cpu")
     mm.init_weights()
     ref = titan()
@@ -360,7 +359,6 @@ def run_engine_tp(res: dict, out_dir: str) -> None:
     process) on the dense debug model and the odd-sized hybrid, both with tp_leaves = 4:
     the recorded log-probs == the model file's (= engine TP = 1, tests/test_tp_leaves.py)
     == the trainer at TP = world, bit for bit, fp32 and bf16; after a weight update too."""
-    from dataclasses import replace as dc_replace
 
     import titan_rl.vllm  # noqa: F401  (vLLM's environment, before vllm is imported)
     from titan_rl.checkpoint import save_hf_folder
@@ -373,8 +371,8 @@ def run_engine_tp(res: dict, out_dir: str) -> None:
     seed = int(os.environ.get("TITAN_TEST_SEED", "7"))
     engines = []
     cases = {
-        "dense": ("qwen3", dc_replace(qwen3.FLAVORS["debug"], tp_leaves=4), qwen3.build),
-        "hybrid": ("qwen3_hybrid", hybrid_config(4), qwen3_hybrid.build),
+        "dense": ("qwen3", qwen3.FLAVORS["debug"], qwen3.build),
+        "hybrid": ("qwen3_hybrid", hybrid_config(), qwen3_hybrid.build),
     }
     dtypes = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
     for tag, (arch, cfg, build_file) in cases.items():
@@ -382,12 +380,12 @@ def run_engine_tp(res: dict, out_dir: str) -> None:
             key = f"engine_tp_{tag}_{dname}"
             t0 = time.time()
             folder = os.path.join(out_dir, key)
-            file_model = build_file(cfg).init_weights(seed, 0.05).to(dtype).eval()
+            file_model = build_file(cfg, ModelOptions(tp_leaves=4)).init_weights(seed, 0.05).to(dtype).eval()
             if rank == 0:
                 save_hf_folder(file_model, folder, dtype=dtype)
             dist.barrier()
-            trainer = model_config(arch, "debug", "exact", model_config=cfg).build().to(dtype)
-            parallelize_qwen3(trainer, parallel_dims=pd)
+            trainer = model_config(arch, "debug", ModelOptions(tp_leaves=4), model_config=cfg).build().to(dtype)
+            parallelize_fn(trainer, parallel_dims=pd)
             load_full_state_dict(trainer, file_model.state_dict())
             llm = make_llm(folder, arch=arch, dtype=dstr, kv_cache_mib=32, max_model_len=256, max_num_seqs=8,
                            max_num_batched_tokens=48, enable_prefix_caching=False, seed=seed,
@@ -459,11 +457,12 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
     """DET_STEPS steps of masked CE + MoE aux loss, global-norm clipping and AdamW on the
     global batch, this rank's share of it (TP on `tp_mesh` when given); returns the full
     weights after the last step."""
-    from titan_rl.rl.global_batch import gradient_leaves, rank_share
+    from titan_rl.rl.batch_plan import gradient_leaves
+    from titan_rl.rl.global_batch import rank_share
     from titan_rl.titan import leaf_reduction
     from titan_rl.titan.parallelize import apply_tp
 
-    m = model_config(arch, flavor, "exact", init_seed=SEED, tp_leaves=tp_leaves).build().init_weights()
+    m = model_config(arch, flavor, ModelOptions(tp_leaves=tp_leaves), init_seed=SEED).build().init_weights()
     if tp_mesh is not None:
         apply_tp(m, tp_mesh)
     apply_fsdp(m, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, gradient_divide_factor=1.0)
@@ -514,7 +513,7 @@ def run_det_fsdp(res: dict) -> None:
              ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None)]
     for tag, arch, flavor, dtype in cases:
         init = {n: p.detach().clone() for n, p in
-                model_config(arch, flavor, "exact", init_seed=SEED).build().init_weights().named_parameters()}
+                model_config(arch, flavor, init_seed=SEED).build().init_weights().named_parameters()}
         for det in (True, False):
             wide = det_train(arch, flavor, mesh["dp"], det, dtype)
             solo = det_train(arch, flavor, mesh["solo"], det, dtype)
@@ -553,7 +552,6 @@ def run_trainer(res: dict) -> None:
     import tempfile
     from dataclasses import dataclass
 
-    from torch.distributed.checkpoint.stateful import Stateful
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.loss import CrossEntropyLoss
@@ -564,7 +562,7 @@ def run_trainer(res: dict) -> None:
 
     from titan_rl.titan.spec import model_spec
 
-    spec = model_spec("qwen3", "debug", "exact", init_seed=SEED)
+    spec = model_spec("qwen3", "debug", init_seed=SEED)
     vocab = spec.model.arch_config().vocab_size
 
     class SynthTokenizer(BaseTokenizer):

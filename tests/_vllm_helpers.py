@@ -2,6 +2,8 @@
 
 
 import torch
+
+from titan_rl.dtypes import DTYPES
 from _seeds import draw_seed
 from vllm import SamplingParams
 
@@ -41,7 +43,6 @@ def _prompts(rng, lens, vocab=1024):
     return [torch.randint(2, vocab, (n,), generator=rng).tolist() for n in lens]
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def random_checkpoint(tmp_path_factory, make_model, dtype: str, arch: str = "qwen3"):

@@ -19,6 +19,7 @@ from titan_rl.checkpoint import (
     save_hf_folder,
 )
 from titan_rl.models import qwen3
+from titan_rl.models.options import ModelOptions
 from titan_rl.registry import get_architecture
 
 # Tiny enough that every test runs in milliseconds; two layers and GQA so every kind of
@@ -35,7 +36,7 @@ def _seed(rng) -> int:
 
 
 def _model(cfg=TINY, rng=None, kernels="exact"):
-    return qwen3.build(cfg, kernels=kernels).init_weights(seed=_seed(rng) if rng is not None else 0)
+    return qwen3.build(cfg, ModelOptions(kernels=kernels)).init_weights(seed=_seed(rng) if rng is not None else 0)
 
 
 def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module, dtype=None):

@@ -128,7 +128,7 @@ def test_sections_reach_trainer_config():
     from torchtitan.components.optimizer import ParamGroupConfig
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    from titan_rl.rl.trainer import build_titan_config
+    from titan_rl.titan.build import build_titan_config
 
     cfg = config.load(BASE, NON_DEFAULT)
     tc = build_titan_config(cfg, "/tmp/unused_run_dir")

@@ -18,13 +18,14 @@ from titan_rl import contract
 from titan_rl.contract import OPS, Contract, ContractMismatch, canonical_json, check, contract_of, diff
 from titan_rl.models import qwen3
 from titan_rl.registry import get_architecture
-from titan_rl.validation import RunStopped
+from titan_rl.models.options import ModelOptions
+from titan_rl.errors import RunStopped
 
 OP_ENTRIES = {f"op.{n}" for n in (*OPS, "attention", "fuse_same_input")}
 
 
-def _model(kernels="exact", **overrides):
-    return qwen3.build("debug", kernels, **overrides)
+def _model(kernels="exact", **options):
+    return qwen3.build("debug", ModelOptions(kernels=kernels, **options))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def test_same_model_same_hash(base):
     # the engine builds the model from config.json: the same contract, tp_leaves included
     spec = get_architecture("qwen3")
     trainer = _model(tp_leaves=2)
-    engine = spec.build(spec.config_from_hf(trainer.cfg.hf_config()))
+    config_json = {**trainer.cfg.hf_config(), **trainer.options.to_hf()}
+    engine = spec.build(spec.config_from_hf(config_json), ModelOptions.from_hf(config_json))
     assert contract_of(engine) == contract_of(trainer)
 
 
@@ -167,14 +169,11 @@ def test_stock_mode_reports_the_op_entries_and_refuses_the_rest():
 
 
 def _trainer(model):
-    """An RLTrainer with only what its contract check reads (no TorchTitan, no engine)."""
-    from titan_rl.rl.trainer import RLTrainer
+    """The trainer's engine link with only what its contract check reads (no TorchTitan, no engine)."""
+    from titan_rl.rl.engine_link import ColocatedEngine
+    from titan_rl.rl.ranks import Ranks
 
-    t = object.__new__(RLTrainer)
-    t.model_parts, t.world, t.engine, t._logged_contract = [model], 1, None, None
-    t.config = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="float32"))
-    t.gradient_reduction = "4 leaves, fixed tree"
-    return t
+    return ColocatedEngine(None, "", model, torch.float32, Ranks(), "4 leaves, fixed tree")
 
 
 def test_trainer_logs_the_contract_and_refuses_a_perturbed_engine(monkeypatch):
@@ -182,7 +181,7 @@ def test_trainer_logs_the_contract_and_refuses_a_perturbed_engine(monkeypatch):
     t = _trainer(model)
     monkeypatch.setattr(contract, "engine_contract", lambda llm: contract_of(model))
     t._check_contract("before the first rollout")
-    first, second = t._contract_metrics(), t._contract_metrics()
+    first, second = t.contract_metrics(), t.contract_metrics()
     mine = contract_of(model, gradient_leaves="4 leaves, fixed tree")  # the trainer's side has its reduction
     assert first["contract"] == second["contract"] == mine.hash
     assert first["contract_entries"] == mine.entries()  # entries when the hash changes only

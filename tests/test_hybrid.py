@@ -20,12 +20,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+
+from titan_rl.dtypes import DTYPES
 import torch.nn.functional as F
 
 from titan_rl.kernels.gdn import causal_conv1d_reference, gdn_reference
 from titan_rl.models.qwen3_hybrid import FLAVORS, FreshState, Qwen3HybridConfig, build
+from titan_rl.models.options import ModelOptions
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 # -- the model ---------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def test_stock_mode_is_close_not_exact(rng):
     """kernels='stock' (plain torch, chunkwise gdn_chunked): the same function up to fp32
     rounding (tolerance 1e-4 on logits of size ~1..4: measured ~1e-5)."""
     exact = build("debug_hybrid").init_weights(int(torch.randint(0, 2**31, (1,), generator=rng)), 0.05)
-    stock = build("debug_hybrid", kernels="stock")
+    stock = build("debug_hybrid", ModelOptions(kernels="stock"))
     stock.load_state_dict(exact.state_dict())
     toks = torch.randint(2, 1024, (2, 50), generator=rng)
     with torch.no_grad():
@@ -179,8 +181,9 @@ def test_flavors_and_names():
     (dict(linear_num_key_heads=0), r"model.linear_num_key_heads = 0 must be >= 1"),
 ])
 def test_bad_config_errors_name_the_key(overrides, match):
+    options = ModelOptions(tp_leaves=overrides.pop("tp_leaves", 0))
     with pytest.raises(ValueError, match=match):
-        build("debug_hybrid", **overrides)
+        build("debug_hybrid", options, **overrides)
 
 
 def test_other_errors():
@@ -192,10 +195,10 @@ def test_other_errors():
         Qwen3HybridConfig.from_hf(bad)
     with pytest.raises(ValueError, match="layer_types"):
         Qwen3HybridConfig.from_hf(dict(d, layer_types=["linear_attention"] * 4))
-    from titan_rl.titan.parallelize import check_tp_degree
+    from titan_rl.models.qwen3_hybrid import SPEC
 
     with pytest.raises(ValueError, match=r"tensor_parallel_degree = 2 must divide .*linear_num_key_heads \(1\)"):
-        check_tp_degree(replace(FLAVORS["debug_hybrid"], linear_num_key_heads=1), 2, 8)
+        SPEC.tp_plan.check_degree(replace(FLAVORS["debug_hybrid"], linear_num_key_heads=1), 2, 8)
 
 
 def test_config_accepts_the_hybrid():

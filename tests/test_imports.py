@@ -127,3 +127,51 @@ def test_no_import_cycle():
     if cycle:
         steps = [f"{a} (line {graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
         raise AssertionError("import cycle: " + " | ".join(steps))
+
+
+def package_of(module: str) -> str:
+    """The unit of the package-level graph: titan_rl's second level (a subpackage such as
+    titan_rl.rl or titan_rl.kernels, or a top-level module such as titan_rl.config)."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for a, edges in graph.items():
+        for b, line in edges.items():
+            if package_of(a) != package_of(b):
+                out.setdefault(package_of(a), {}).setdefault(package_of(b), line)
+    return out
+
+
+def test_no_import_cycle_between_packages():
+    graph = import_graph()
+    packages = package_graph(graph)
+    cycle = find_cycle(packages)
+    if cycle:
+        where = []
+        for a, b in zip(cycle, cycle[1:]):
+            edge = next((m, n, ln) for m, edges in graph.items() for n, ln in edges.items()
+                        if package_of(m) == a and package_of(n) == b)
+            where.append(f"{a} -> {b} ({edge[0]} line {edge[2]} imports {edge[1]})")
+        raise AssertionError("package import cycle: " + " | ".join(where))
+
+
+def test_the_engine_side_does_not_import_the_trainer_side():
+    """titan_rl.vllm builds the model from its folder and shards it with titan_rl.parallel:
+    nothing of TorchTitan's side (titan_rl.titan) is needed, or allowed, to serve it."""
+    graph = import_graph()
+    bad = [(m, n, ln) for m, edges in graph.items() if m.startswith("titan_rl.vllm")
+           for n, ln in edges.items() if n.startswith("titan_rl.titan")]
+    assert not bad, bad
+
+
+def test_generic_code_imports_no_model():
+    """The generic TP, FSDP and quantized-weight code reads the architecture's spec and
+    the shared layers (titan_rl.models.layers), never a model of its own."""
+    graph = import_graph()
+    generic = ("titan_rl.titan.parallelize", "titan_rl.parallel.plan", "titan_rl.parallel.tp_linear",
+               "titan_rl.quant_weights", "titan_rl.vllm.model", "titan_rl.contract", "titan_rl.checkpoint")
+    models = ("titan_rl.models.qwen3", "titan_rl.models.qwen3_moe", "titan_rl.models.qwen3_hybrid")
+    bad = [(m, n) for m in generic for n in graph[m] if n.startswith(models)]
+    assert not bad, bad

@@ -1,4 +1,4 @@
-"""MoE routing / expert kernels (kernels/moe) and the Qwen3-MoE model (models/qwen3_moe.py).
+"""MoE routing / expert kernels (kernels/moe) and the Qwen3-MoE model (models/qwen3_moe/).
 
 Tolerances (measured, see the constants) are against the fp64 per-token reference and
 transformers; invariance checks are torch.equal.
@@ -15,6 +15,7 @@ import torch
 from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk, swiglu_expert
 from titan_rl.kernels.moe.reference import moe_experts_reference, router_topk_reference
 from titan_rl.models import qwen3_moe
+from titan_rl.models.options import ModelOptions
 
 # Measured max |torch_impl - fp64 reference| (H=64, I=32, |out| ~ 1): router weights
 # 2.4e-6 over 300 seeds with the oneDNN GEMM (the logits of randn x randn over H = 64 reach
@@ -191,7 +192,7 @@ def test_hf_config_round_trip():
     with pytest.raises(ValueError, match="dense layers"):
         qwen3_moe.Qwen3MoeConfig.from_hf({**d, "mlp_only_layers": [1]})
     with pytest.raises(ValueError, match="moe_intermediate_size"):
-        replace(qwen3_moe.FLAVORS["debug_moe"], tp_leaves=4, moe_intermediate_size=66).validate()
+        qwen3_moe.build(replace(qwen3_moe.FLAVORS["debug_moe"], moe_intermediate_size=66), ModelOptions(tp_leaves=4))
 
 
 # Measured max |ours - transformers| over fp32 logits (2 layers, |logits| ~ 1): exact
@@ -216,7 +217,7 @@ def test_logits_match_transformers(tmp_path, rng, kernels):
     from safetensors.torch import save_file
 
     cfg = _small_cfg()
-    ours = qwen3_moe.build(cfg, kernels=kernels).init_weights(seed=int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    ours = qwen3_moe.build(cfg, ModelOptions(kernels=kernels)).init_weights(seed=int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
     with torch.no_grad():
         for layer in ours.model.layers:
             layer.mlp.gate.weight.normal_(0, 0.5, generator=rng)

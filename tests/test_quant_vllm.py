@@ -11,6 +11,7 @@ the quantized checksum; the engine's weight memory; the trainer's straight-throu
 import pytest
 import torch
 
+from titan_rl.models.options import ModelOptions, Quantization
 from titan_rl.models.qwen3 import build
 
 pytest.importorskip("vllm")
@@ -29,7 +30,7 @@ from _vllm_helpers import _gen, _prompts, _trainer_logprobs, random_checkpoint  
 def setup(request, tmp_path_factory):
     recipe = request.param
     folder, trainer = random_checkpoint(
-        tmp_path_factory, lambda seed: build("debug", quant_recipe=recipe).init_weights(seed, 0.05), "bfloat16")
+        tmp_path_factory, lambda seed: build("debug", ModelOptions(quantization=Quantization(recipe))).init_weights(seed, 0.05), "bfloat16")
     llm = make_llm(folder, dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
                    enable_prefix_caching=True, max_num_batched_tokens=64)
     yield llm, trainer, recipe
@@ -83,7 +84,7 @@ def test_prefix_cache_hits(setup, rng):
 def test_after_a_weight_sync_of_payload_and_scales(setup, rng):
     llm, trainer, recipe = setup
     state = {k: v + 0.02 * torch.randn(v.shape, generator=rng).to(v.dtype) for k, v in trainer.state_dict().items()}
-    after = build("debug", quant_recipe=recipe).to(torch.bfloat16).eval()
+    after = build("debug", ModelOptions(quantization=Quantization(recipe))).to(torch.bfloat16).eval()
     after.load_state_dict(state)
     recipes = weight_recipes(after)
     shipped = quantized_state(state, recipes)
@@ -104,10 +105,10 @@ def test_after_a_weight_sync_of_payload_and_scales(setup, rng):
 def test_trainer_gradient_is_straight_through(rng):
     """d loss / d W of a quantized linear = the gradient at the fake-quantized operands."""
     from titan_rl.kernels.quant import fake_quantize
+    from titan_rl.models.layers import Linear
     from titan_rl.models.ops import Ops
-    from titan_rl.models.qwen3 import Linear
 
-    lin = Linear(96, 48, Ops("exact", quant_recipe="fp8_rowwise"), "col", "mlp")
+    lin = Linear(96, 48, Ops(ModelOptions(quantization=Quantization("fp8_rowwise"))), "col", "mlp")
     lin.weight.data = torch.randn(48, 96, generator=rng)
     x = torch.randn(7, 96, generator=rng, requires_grad=True)
     lin(x).square().sum().backward()

@@ -1,5 +1,5 @@
-"""The ArchitectureSpec says what each engine must know, as typed fields; the TP plan
-comes from the model's Linear kinds."""
+"""The ArchitectureSpec says what each engine must know, as typed fields; the TP plan is
+data in each model folder, checked against the model's Linear kinds."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from titan_rl.models import qwen3, qwen3_hybrid, qwen3_moe
-from titan_rl.registry import BY_LINEAR_KIND, ArchitectureSpec, architecture_of, get_architecture
-from titan_rl.titan.parallelize import layer_tp_plan
+from titan_rl.parallel.plan import TPPlan
+from titan_rl.registry import ArchitectureSpec, architecture_of, get_architecture
 from titan_rl.titan.spec import model_config
 
 
@@ -18,7 +18,7 @@ def test_the_builtins_say_what_they_are():
     dense, moe, hybrid = (get_architecture(n) for n in ("qwen3", "qwen3_moe", "qwen3_hybrid"))
     assert (dense.moe, dense.recurrent_state, dense.tp_plan is not None) == (False, False, True)
     assert (moe.moe, moe.recurrent_state, moe.tp_plan is not None) == (True, False, True)
-    assert (hybrid.moe, hybrid.recurrent_state, hybrid.tp_plan) == (False, True, BY_LINEAR_KIND)
+    assert (hybrid.moe, hybrid.recurrent_state, isinstance(hybrid.tp_plan, TPPlan)) == (False, True, True)
 
 
 def test_architecture_of_plain_and_titan_built_models():
@@ -30,8 +30,12 @@ def test_architecture_of_plain_and_titan_built_models():
         architecture_of(torch.nn.Linear(2, 2))
 
 
-def test_tp_plan_from_linear_kinds():
-    dense = layer_tp_plan(qwen3.build("debug").model.layers[0])
+def test_tp_plans_resolve_to_the_linear_kinds():
+    def layer_tp_plan(layer):
+        return architecture_of(model).tp_plan.resolve(layer)
+
+    model = qwen3.build("debug")
+    dense = layer_tp_plan(model.model.layers[0])
     assert sorted(dense["colwise"]) == sorted(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                "mlp.gate_proj", "mlp.up_proj"])
     assert sorted(dense["rowwise"]) == ["mlp.down_proj", "self_attn.o_proj"]
@@ -44,7 +48,8 @@ def test_tp_plan_from_linear_kinds():
     assert sorted(moe["rowwise"]) == sorted(["self_attn.o_proj"] + [f"mlp.experts.{e}.down_proj" for e in range(n)])
     assert "mlp.gate" not in moe["colwise"] + moe["rowwise"]  # the router stays replicated
     assert dense["heads"] == moe["heads"] == ["self_attn"]
-    hybrid = qwen3_hybrid.build("debug_hybrid").model.layers
+    model = qwen3_hybrid.build("debug_hybrid")
+    hybrid = model.model.layers
     gdn, full = layer_tp_plan(hybrid[0]), layer_tp_plan(hybrid[3])
     assert sorted(gdn["colwise"]) == sorted(["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
                                              "mlp.gate_proj", "mlp.up_proj"])
@@ -59,3 +64,20 @@ def test_a_spec_without_tp_must_say_why():
     with pytest.raises(ValueError, match="tp_plan = 'rows'"):
         replace(base, name="x", tp_plan="rows")
     assert isinstance(replace(base, name="x", tp_plan=None, no_tp_reason="why"), ArchitectureSpec)
+
+
+def test_a_plan_that_disagrees_with_the_maths_is_refused(monkeypatch):
+    """The model computes a Linear's kind in one process (Ops.linear_for): a plan splitting
+    it the other way, or leaving it unsplit, would give other bits under TP."""
+    import torch.distributed as dist
+
+    from titan_rl.models.qwen3.parallelize import TP_PLAN
+    from titan_rl.parallel.plan import apply_plan
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # the check runs before any collective
+    swapped = TPPlan(layer={**TP_PLAN.layer, "mlp.down_proj": "colwise"}, heads=TP_PLAN.heads, divides=TP_PLAN.divides)
+    missing = TPPlan(layer={k: v for k, v in TP_PLAN.layer.items() if k != "mlp.up_proj"}, heads=TP_PLAN.heads)
+    for plan, match in ((swapped, r"mlp.down_proj is split colwise but is a 'row' Linear"),
+                        (missing, r"mlp.up_proj is a 'col' Linear the plan does not split")):
+        with pytest.raises(ValueError, match=match):
+            apply_plan(qwen3.build("debug"), plan, object(), lambda lin, dim: None)

@@ -5,7 +5,7 @@ assert on the JSON it writes).
 Exactness claimed and checked with torch.equal:
   * FSDP = 2 (fp32, and bf16 compute from fp32 masters), incl. TorchTitan's meta-init order;
   * TP = 2 and FSDP = 2 x TP = 2 with tp_leaves = 8 (fixed column blocks and K-leaf
-    tree), vs the model file built directly from the same config (Qwen3Config.tp_leaves
+    tree), vs the model file built directly from the same config and ModelOptions (tp_leaves
     = 8: what the rollout engine builds) and vs TitanModel at TP = 1 (fp32 and bf16).
   * the GDN hybrid at TP = 2 (tp_leaves = 4) vs TitanModel at TP = 1 and the model file
     (fp32 and bf16), three batch compositions of fresh tokens.

@@ -14,6 +14,7 @@ from titan_rl.titan import cpu_compat
 cpu_compat.apply()
 
 from titan_rl.kernels import linear  # noqa: E402
+from titan_rl.models.options import ModelOptions  # noqa: E402
 from titan_rl.models.qwen3 import FLAVORS, build  # noqa: E402
 from titan_rl.titan.model import TitanModel  # noqa: E402
 from titan_rl.titan.spec import model_config, model_spec  # noqa: E402
@@ -74,13 +75,13 @@ def test_cpu_compat_fixes_torchtitan_imported_first():
 def test_model_spec_bundles_config_parallelize_and_adapter():
     from torchtitan.protocols import ModelSpec
 
-    from titan_rl.titan.parallelize import parallelize_qwen3
+    from titan_rl.titan.parallelize import parallelize_fn
 
-    spec = model_spec("qwen3", "debug", kernels="exact")
+    spec = model_spec("qwen3", "debug", ModelOptions(kernels="exact"))
     assert isinstance(spec, ModelSpec)
     assert (spec.name, spec.flavor) == ("qwen3", "debug")
     assert isinstance(spec.model, TitanModel.Config)
-    assert spec.parallelize_fn is parallelize_qwen3
+    assert spec.parallelize_fn is parallelize_fn
     assert spec.state_dict_adapter is TitanStateDictAdapter
     assert spec.pipelining_fn is None
     assert spec.model.to_dict()["arch"] == "qwen3"  # torchtitan logs the config as a dict
@@ -89,15 +90,15 @@ def test_model_spec_bundles_config_parallelize_and_adapter():
     with pytest.raises(ValueError, match="unknown"):
         model_spec("no_such_arch")
     with pytest.raises(ValueError, match="kernels"):
-        model_spec("qwen3", "debug", kernels="fast")
+        model_spec("qwen3", "debug", ModelOptions(kernels="fast"))
 
 
 @pytest.mark.parametrize("kernels", ["exact", "stock"])
 def test_built_model_is_the_model_file(rng, kernels):
     """The spec's model IS the registry's model class: same names, same logits bits."""
-    spec = model_spec("qwen3", "debug", kernels=kernels, init_seed=SEED)
+    spec = model_spec("qwen3", "debug", ModelOptions(kernels=kernels), init_seed=SEED)
     m = spec.model.build().init_weights()
-    ref = build("debug", kernels=kernels).init_weights(SEED)
+    ref = build("debug", ModelOptions(kernels=kernels)).init_weights(SEED)
     assert isinstance(m, type(ref)) and isinstance(m, TitanModel)
     m.verify_module_protocol()
     assert [n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()]
@@ -142,7 +143,7 @@ def test_update_from_config_and_flops():
     with pytest.raises(ValueError, match="compile"):
         mc.update_from_config(config=replace_ns(ok, compile=SimpleNamespace(enable=True)))
     with pytest.raises(ValueError, match="tp_leaves"):
-        model_config("qwen3", "debug", tp_leaves=1).update_from_config(
+        model_config("qwen3", "debug", ModelOptions(tp_leaves=1)).update_from_config(
             config=replace_ns(ok, parallelism=ParallelismConfig(tensor_parallel_degree=2)))
     with torch.device("meta"):
         m = mc.build()
@@ -213,14 +214,14 @@ def test_leaf_linear_validation():
 
 
 def test_tp_leaves_goes_into_the_model_file(rng):
-    """TitanModel.Config(tp_leaves=8) builds the model file with Qwen3Config.tp_leaves=8:
-    no re-classing, the same bits as the model file built directly (what the rollout
-    engine builds), and close to (not equal to) tp_leaves=0 (another reduction order)."""
-    from titan_rl.models.qwen3 import Linear
+    """TitanModel.Config(options=ModelOptions(tp_leaves=8)) builds the model file with those
+    options: no re-classing, the same bits as the model file built directly (what the
+    rollout engine builds), and close to (not equal to) tp_leaves=0 (another reduction order)."""
+    from titan_rl.models.layers import Linear
 
-    m = model_config("qwen3", "debug", tp_leaves=8, init_seed=SEED).build().init_weights()
-    assert m.cfg.tp_leaves == 8 and m.ops.tp_leaves == 8
-    direct = build("debug", tp_leaves=8).init_weights(SEED)
+    m = model_config("qwen3", "debug", ModelOptions(tp_leaves=8), init_seed=SEED).build().init_weights()
+    assert m.options.tp_leaves == 8 and m.ops.tp_leaves == 8
+    direct = build("debug", ModelOptions(tp_leaves=8)).init_weights(SEED)
     ref = build("debug").init_weights(SEED)
     layer = m.model.layers[0]
     for lin, kind in ((layer.self_attn.o_proj, "row"), (layer.mlp.down_proj, "row"),
@@ -240,14 +241,25 @@ def test_tp_leaves_goes_into_the_model_file(rng):
     assert m.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
-def test_tp_leaves_config_resolution():
-    cfg8 = replace(FLAVORS["debug"], tp_leaves=8)
-    assert model_config("qwen3", model_config=cfg8).arch_config().tp_leaves == 8  # the config's own value
-    assert model_config("qwen3", model_config=cfg8, tp_leaves=8).build().cfg.tp_leaves == 8
-    with pytest.raises(ValueError, match="conflicts"):
-        model_config("qwen3", model_config=cfg8, tp_leaves=4).build()
+def test_model_options_travel_unchanged(tmp_path):
+    """One ModelOptions from the TOML config to the trainer's Ops, through config.json to
+    the engine's: never copied field by field, never re-derived."""
+    from titan_rl import config
+    from titan_rl.checkpoint import load_hf_folder, save_hf_folder
+    from titan_rl.titan.build import build_titan_config
+
+    cfg = config.load(None, ["--model.tp_leaves=8", "--quantization.recipe=\"fp8_rowwise\"",
+                             "--quantization.layers=[\"mlp\"]"])
+    options = cfg.model_options()
+    assert (options.tp_leaves, options.quantization.recipe, options.quantization.layers) == (8, "fp8_rowwise", ("mlp",))
+    spec = build_titan_config(cfg, str(tmp_path / "run")).model_spec
+    assert spec.model.options == options
+    m = spec.model.build()
+    assert m.options == options and m.ops.options == options
+    save_hf_folder(build("debug", options).init_weights(SEED), tmp_path / "w")
+    assert load_hf_folder(tmp_path / "w").options == options
     with pytest.raises(ValueError, match="tp_leaves = 3"):
-        model_config("qwen3", "debug", tp_leaves=3).build()
+        model_config("qwen3", "debug", ModelOptions(tp_leaves=3))
 
 
 # -- state-dict adapter --------------------------------------------------------------------

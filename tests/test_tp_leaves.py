@@ -1,4 +1,4 @@
-"""tp_leaves in the model file: Qwen3Config.tp_leaves = L > 0 makes q/k/v/gate/up run as
+"""tp_leaves in the model file: ModelOptions.tp_leaves = L > 0 makes q/k/v/gate/up run as
 L fixed column blocks and o/down as L K-leaves summed by a fixed fp32 tree (the pieces
 the trainer's TP layers compute on any TP degree dividing L). Checked here, single
 process: batch invariance of that forward, the config round trip through config.json,
@@ -9,21 +9,27 @@ same log-probs as the trainer-side model, bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
 
+from titan_rl.dtypes import DTYPES
+
 from titan_rl.kernels import linear, linear_k_leaves, linear_n_blocks, log_softmax_fp32
-from titan_rl.models.qwen3 import FLAVORS, Linear, Qwen3Config, build
+from titan_rl.models.layers import Linear
+from titan_rl.models.options import ModelOptions
+from titan_rl.models.qwen3 import FLAVORS, Qwen3Config, build
 
 L = 4
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _model(tp_leaves: int, seed: int, dtype=torch.float32, kernels: str = "exact"):
-    cfg = replace(FLAVORS["debug"], tp_leaves=tp_leaves)
-    return build(cfg, kernels=kernels).init_weights(seed, 0.05).to(dtype).eval()
+    return build("debug", ModelOptions(kernels=kernels, tp_leaves=tp_leaves)).init_weights(seed, 0.05).to(dtype).eval()
+
+
+def _check(cfg, tp_leaves: int) -> None:
+    """What building a model checks of tp_leaves against its config."""
+    ModelOptions(tp_leaves=tp_leaves).validate().check_widths(cfg.validate().tp_widths())
 
 
 # -- the model's leaf path ----------------------------------------------------------------
@@ -50,7 +56,7 @@ def test_layers_use_their_kind():
 
 def test_leaf_primitives_have_one_definition():
     import titan_rl.kernels as K
-    from titan_rl.titan import tp_linear
+    from titan_rl.parallel import tp_linear
 
     for name in ("tree_sum", "leaf_partials", "linear_k_leaves", "linear_n_blocks"):
         assert getattr(tp_linear, name) is getattr(K, name), name
@@ -88,12 +94,12 @@ def test_stock_mode_ignores_tp_leaves(seed):
 # -- config --------------------------------------------------------------------------------
 
 def test_config_round_trip():
-    cfg = replace(FLAVORS["small"], tp_leaves=8)
-    d = cfg.hf_config()
+    options = ModelOptions(tp_leaves=8)
+    d = {**FLAVORS["small"].hf_config(), **options.to_hf()}
     assert d["titan_tp_leaves"] == 8
-    assert Qwen3Config.from_hf(d) == cfg
-    assert "titan_tp_leaves" not in FLAVORS["small"].hf_config()  # only written when > 0
-    assert Qwen3Config.from_hf(FLAVORS["small"].hf_config()).tp_leaves == 0
+    assert ModelOptions.from_hf(d) == options and Qwen3Config.from_hf(d) == FLAVORS["small"]
+    assert "titan_tp_leaves" not in ModelOptions().to_hf()  # only written when > 0
+    assert ModelOptions.from_hf(FLAVORS["small"].hf_config()).tp_leaves == 0
 
 
 def test_config_round_trip_through_a_checkpoint_folder(tmp_path):
@@ -105,7 +111,7 @@ def test_config_round_trip_through_a_checkpoint_folder(tmp_path):
     save_hf_folder(m, str(tmp_path))
     assert json.loads((tmp_path / "config.json").read_text())["titan_tp_leaves"] == L
     back = load_hf_folder(str(tmp_path), kernels="exact")
-    assert back.cfg.tp_leaves == L and back.ops.tp_leaves == L
+    assert back.options.tp_leaves == L and back.ops.tp_leaves == L
 
 
 @pytest.mark.parametrize("value,needle", [
@@ -115,18 +121,18 @@ def test_config_round_trip_through_a_checkpoint_folder(tmp_path):
 ])
 def test_validation_names_key_and_value(value, needle):
     with pytest.raises(ValueError, match=needle.replace("*", r"\*")):
-        replace(FLAVORS["debug"], tp_leaves=value).validate()
+        _check(FLAVORS["debug"], value)
     with pytest.raises(ValueError, match="model.tp_leaves"):
-        build("debug", tp_leaves=value)
+        build("debug", ModelOptions(tp_leaves=value))
 
 
 def test_validation_intermediate_and_heads():
     with pytest.raises(ValueError, match=r"must divide intermediate_size = 770"):
-        Qwen3Config(intermediate_size=770, tp_leaves=4).validate()
+        _check(Qwen3Config(intermediate_size=770), 4)
     with pytest.raises(ValueError, match=r"must divide num_attention_heads\*head_dim = 96"):
-        Qwen3Config(num_attention_heads=3, num_key_value_heads=1, head_dim=32, tp_leaves=64).validate()
+        _check(Qwen3Config(num_attention_heads=3, num_key_value_heads=1, head_dim=32), 64)
     with pytest.raises(ValueError, match="titan_tp_leaves|tp_leaves"):
-        Qwen3Config.from_hf({**FLAVORS["debug"].hf_config(), "titan_tp_leaves": 6})
+        ModelOptions.from_hf({**FLAVORS["debug"].hf_config(), "titan_tp_leaves": 6})
 
 
 # -- the rollout engine builds the same model from config.json ------------------------------
@@ -144,7 +150,7 @@ def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed):
     save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
     llm = make_llm(folder, dtype=dtype, kv_cache_mib=64, max_model_len=256, max_num_seqs=8)
     try:
-        assert engine_model(llm).cfg.tp_leaves == L  # built from config.json's titan_tp_leaves
+        assert engine_model(llm).options.tp_leaves == L  # built from config.json's titan_tp_leaves
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(2, trainer.cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 2, 90, 57, 7)]
         params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
@@ -176,13 +182,14 @@ def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed
     from titan_rl.models import qwen3_hybrid
     from titan_rl.vllm.engine import engine_model, make_llm
 
-    trainer = qwen3_hybrid.build(hybrid_config(L)).init_weights(seed, 0.05).to(DTYPES[dtype]).eval()
+    trainer = qwen3_hybrid.build(hybrid_config(), ModelOptions(tp_leaves=L)).init_weights(seed, 0.05)
+    trainer = trainer.to(DTYPES[dtype]).eval()
     folder = str(tmp_path / "w")
     save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
     llm = make_llm(folder, arch="qwen3_hybrid", dtype=dtype, kv_cache_mib=64, max_model_len=256, max_num_seqs=8,
                    max_num_batched_tokens=48, enable_prefix_caching=False)
     try:
-        assert engine_model(llm).cfg.tp_leaves == L
+        assert engine_model(llm).options.tp_leaves == L
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(2, trainer.cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 2, 90, 57, 7)]
         params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
@@ -211,10 +218,12 @@ def test_engine_tp_needs_tp_leaves():
     def vllm_config(tp):
         return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
 
-    assert _shard_for_tp(_model(0, 0), vllm_config(1)) == (0, 1, {})
+    from titan_rl.models.qwen3 import SPEC
+
+    assert _shard_for_tp(_model(0, 0), SPEC, vllm_config(1)) == (0, 1, {})
     with pytest.raises(ValueError, match=r"tensor_parallel_size = 2 needs the model's tp_leaves > 0 "
                                          r"\(config.json \"titan_tp_leaves\""):
-        _shard_for_tp(_model(0, 0), vllm_config(2))
+        _shard_for_tp(_model(0, 0), SPEC, vllm_config(2))
 
 
 # -- the backward's fixed pieces (TP ranks simulated in one process) ------------------------

@@ -2,7 +2,6 @@
 step, the weight checksum, kill -9 and resume == an uninterrupted run, config errors."""
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from titan_rl import config  # noqa: E402
+from titan_rl.launch import free_port  # noqa: E402
+from titan_rl.run_dir import comparable, read_metrics  # noqa: E402
 
 SHORT = ["--training.steps=6", "--algorithm.sft_steps=2", "--algorithm.prompts_per_step=4",
          "--algorithm.group_size=4", "--algorithm.sft_batch=16", "--checkpoint.interval=2"]
@@ -29,13 +30,7 @@ def _train(run_dir, extra=(), timeout=300):
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
-
-
-def _comparable(m):
-    return {k: v for k, v in m.items() if not (k.endswith("_seconds") or k.endswith("_per_s"))}
+_metrics, _comparable = read_metrics, comparable
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +92,7 @@ def test_kill_and_resume_equals_uninterrupted(uninterrupted, tmp_path):
 
 
 def _torchrun(run_dir, extra=(), timeout=300):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
            str(run_dir), *extra]
@@ -186,11 +177,7 @@ def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout, bf16_alo
     TP=2 with a fixed leaf tree (model.tp_leaves); each rank's engine (TP=1) and the
     sharded trainer agree bitwise at every RL step, and every metrics line equals the
     single process's at the same tp_leaves (wall-clock fields aside)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
            str(tmp_path), *BF16_RL]

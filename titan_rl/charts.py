@@ -49,7 +49,8 @@ RC = {
 SVG_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
 
 
-def _finite(v) -> bool:
+def finite(v) -> bool:
+    """A real, finite number (not a bool, None or NaN)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -147,7 +148,7 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]], title: str, 
                log: bool = False, zero_means_equal: bool = False, ylim: tuple[float, float] | None = None) -> str:
     """series: [(label, [(x, y), ...]), ...]. log: log10 y axis (zeros drawn on a '0' band).
     zero_means_equal: if every y is exactly 0, say 'bitwise equal' on the chart."""
-    series = [(name, sorted((x, y) for x, y in pts if _finite(x) and _finite(y))) for name, pts in series]
+    series = [(name, sorted((x, y) for x, y in pts if finite(x) and finite(y))) for name, pts in series]
     series = [(name, pts) for name, pts in series if pts]
     with matplotlib.rc_context(RC):
         fig, ax = _figure(title, xlabel, ylabel)
@@ -193,7 +194,7 @@ def bar_chart(labels: list[str], values: list[float], title: str, xlabel: str, y
               annotations: list[str] | None = None, colors: list[str] | None = None, note: str | None = None,
               rotate: bool = False) -> str:
     """One bar per label; annotations: text above each bar; rotate: slant long label rows."""
-    vals = [v if _finite(v) else 0.0 for v in values]
+    vals = [v if finite(v) else 0.0 for v in values]
     with matplotlib.rc_context(RC):
         fig, ax = _figure(title, xlabel, ylabel, mb=MB_ROTATED if rotate else MB)
         top = max(vals, default=0.0)
@@ -220,7 +221,7 @@ def bar_chart(labels: list[str], values: list[float], title: str, xlabel: str, y
 def scatter_chart(xs: list[float], ys: list[float], title: str, xlabel: str, ylabel: str,
                   max_points: int = 3000, note: str | None = None) -> str:
     """y against x with the diagonal y = x dashed; at most max_points points drawn (evenly strided)."""
-    pts = [(x, y) for x, y in zip(xs, ys) if _finite(x) and _finite(y)]
+    pts = [(x, y) for x, y in zip(xs, ys) if finite(x) and finite(y)]
     step = max(1, math.ceil(len(pts) / max_points))
     shown = pts[::step]
     lo = min([0.0] + [min(p) for p in pts]) if pts else 0.0

@@ -29,7 +29,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from titan_rl.dtypes import dtype_name
+from titan_rl.errors import CheckpointError
 from titan_rl.kernels.mode import KernelMode
+from titan_rl.models.options import ModelOptions
 from titan_rl.registry import ArchitectureSpec, get_architecture, list_architectures
 
 __all__ = [
@@ -49,10 +52,6 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder or state dict that does not match the model it is loaded into."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,10 +179,6 @@ def load_state_dict_strict(
 # ---------------------------------------------------------------------------------------
 # folders
 # ---------------------------------------------------------------------------------------
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
@@ -239,7 +234,10 @@ def save_hf_folder(
     path.mkdir(parents=True, exist_ok=True)
 
     config = dict(spec.config_to_hf(cfg, architecture or spec.vllm_architecture))
-    config["torch_dtype"] = config["dtype"] = _dtype_name(dtype)
+    options = getattr(model, "options", None)
+    if options is not None:  # how it computes, for the engine: tp_leaves, quantization
+        config.update(options.to_hf())
+    config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
     tensors = saved_state_dict(model, dtype, state_dict)
 
     # Decide the layout, then clear weight files that belong to the other one.
@@ -349,8 +347,9 @@ def _check_architecture(d: dict, spec: ArchitectureSpec, cfg_path: Path) -> None
                               f"allowed: {sorted(allowed)}{hint}")
 
 
-def _folder_config(path: Path, arch: str):
-    """The folder exists, its config.json is valid and of architecture `arch`: (spec, config)."""
+def _folder_config(path: Path, arch: str, kernels: KernelMode = "exact"):
+    """The folder exists, its config.json is valid and of architecture `arch`: (spec,
+    config, the ModelOptions it records with `kernels`)."""
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise CheckpointError(f"checkpoint folder {path} {what}")
@@ -358,7 +357,7 @@ def _folder_config(path: Path, arch: str):
     d = _read_config(path)
     _check_architecture(d, spec, path / CONFIG_NAME)
     try:
-        return spec, spec.config_from_hf(d)
+        return spec, spec.config_from_hf(d), ModelOptions.from_hf(d, kernels)
     except KeyError as e:
         raise CheckpointError(f"{path / CONFIG_NAME} lacks the field {e.args[0]!r} needed to build {arch!r}") from e
     except (ValueError, TypeError) as e:
@@ -372,11 +371,11 @@ def check_hf_folder(path: str | os.PathLike, arch: str = "qwen3"):
     meta device. Run before vLLM or DCP see a folder: their errors name no file.
     Returns the model config."""
     path = Path(path)
-    spec, cfg = _folder_config(path, arch)
+    spec, cfg, options = _folder_config(path, arch)
     files = _weight_files(path)
     shapes, where, _ = _scan(files, path)
     with torch.device("meta"):
-        model = spec.build(cfg, kernels="exact")
+        model = spec.build(cfg, options)
     _validate(model, shapes, str(path), where)
     return cfg
 
@@ -396,14 +395,14 @@ def load_hf_folder(
     checkpoint stores (when all its floating tensors share one; float32 otherwise).
     """
     path = Path(path)
-    spec, cfg = _folder_config(path, arch)
+    spec, cfg, options = _folder_config(path, arch, kernels)
     files = _weight_files(path)
     shapes, where, stored = _scan(files, path)
     if dtype is None:
         floats = {_ST_FLOAT[s] for s in stored.values() if s in _ST_FLOAT}
         dtype = floats.pop() if len(floats) == 1 else torch.float32
 
-    model = spec.build(cfg, kernels=kernels)
+    model = spec.build(cfg, options)
     model.to(dtype)  # module.to keeps tied parameters tied
     plan = _validate(model, shapes, str(path), where)
     pairs = _tie_groups_present(model, shapes)
@@ -439,7 +438,7 @@ def checkpoint_fingerprint(state_dict: Mapping[str, torch.Tensor] | torch.nn.Mod
     h = hashlib.sha256()
     for name in sorted(state_dict):
         t = state_dict[name].detach().cpu().contiguous()
-        header = json.dumps([name, _dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()])
+        header = json.dumps([name, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()])
         h.update(header.encode())
         h.update(b"\0")
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

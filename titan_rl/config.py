@@ -24,7 +24,10 @@ import tomli
 
 # [correction] is the algorithm's own config dataclass (one definition, validated there).
 from titan_rl.algorithms.corrections import CorrectionConfig
+from titan_rl.errors import ConfigError
+from titan_rl.rl import batch_plan
 from titan_rl.kernels.mode import KernelMode
+from titan_rl.models.options import ModelOptions, Quantization
 from titan_rl.kernels.quant.recipes import (
     QUANT_LAYERS, QUANT_RECIPES, STOCK_QUANTIZATION, ActivationScale, QuantLayer, QuantRecipe, check_activation_scale,
 )
@@ -33,10 +36,6 @@ from titan_rl.titan.sections import (
     CommConfig, DebugConfig, LRSchedulersContainer, MetricsProcessor, OptimizerConfig, ParallelismConfig,
     Profiler, TrainingConfig,
 )
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass
@@ -141,6 +140,13 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
 
+    def model_options(self) -> ModelOptions:
+        """How the model computes, from [model] and [quantization]: the one ModelOptions the
+        trainer's model, its checkpoint folders and the engine then carry unchanged."""
+        q = self.quantization
+        return ModelOptions(kernels=self.model.kernels, tp_leaves=self.model.tp_leaves,
+                            quantization=Quantization(q.recipe, tuple(q.layers))).validate()
+
 
 def _nearest(name: str, allowed) -> str:
     m = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.5)
@@ -244,9 +250,11 @@ def validate(cfg: Config) -> None:
     from titan_rl.registry import get_architecture
 
     spec = get_architecture(cfg.model.name)
-    if not cfg.model.checkpoint and cfg.model.flavor not in spec.flavors:
-        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is unknown for {cfg.model.name}; "
-                          f"allowed: {sorted(spec.flavors)}{_nearest(cfg.model.flavor, spec.flavors)}")
+    if not cfg.model.checkpoint:
+        try:
+            spec.flavor(cfg.model.flavor)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     s = cfg.sampling
     if not 0.0 < s.top_p <= 1.0:
         raise ConfigError(f"sampling.top_p = {s.top_p}: must be in (0, 1]")
@@ -272,8 +280,10 @@ def validate(cfg: Config) -> None:
     tp, leaves = cfg.parallelism.tensor_parallel_degree, cfg.model.tp_leaves
     if tp < 1:
         raise ConfigError(f"parallelism.tensor_parallel_degree = {tp}: must be >= 1")
-    if leaves < 0 or (leaves & (leaves - 1)):
-        raise ConfigError(f"model.tp_leaves = {leaves}: must be 0 or a power of two")
+    try:
+        cfg.model_options()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if tp > 1 and (leaves == 0 or leaves % tp):
         raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} needs model.tp_leaves a multiple of it "
                           f"(got {leaves}; 8 covers TP 1/2/4/8) for the trainer to stay bitwise equal to the engine")
@@ -281,7 +291,7 @@ def validate(cfg: Config) -> None:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
-    _check_reduction(cfg)
+    batch_plan.check_config(cfg)
     ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
     if ac_reason:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
@@ -291,58 +301,6 @@ def validate(cfg: Config) -> None:
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
-
-
-def deterministic_reduction(cfg: Config) -> bool:
-    """parallelism.deterministic_reduction, resolved: unset means on in exact mode."""
-    on = cfg.parallelism.deterministic_reduction
-    return cfg.model.kernels == "exact" if on is None else on
-
-
-# Each leaf is one forward + backward: 2 covers data-parallel degrees 1 and 2 at little cost
-# (rl_debug: 2m11s against 4m47s with 8 leaves, AMD EPYC 2 cores, 2026-12-01); a run meant to
-# move to more ranks sets parallelism.gradient_leaves to that degree or more.
-AUTO_MAX_LEAVES = 2
-
-
-def _global_batches(cfg: Config) -> list[tuple[str, int]]:
-    a = cfg.algorithm
-    return [("prompts_per_step x group_size", a.prompts_per_step * a.group_size)] + (
-        [("sft_batch", a.sft_batch)] if a.sft_steps > 0 else [])
-
-
-def gradient_leaf_count(cfg: Config) -> int:
-    """parallelism.gradient_leaves, resolved: 0 (auto) is the largest power of two up to
-    AUTO_MAX_LEAVES that divides every global batch of the run (a function of the config
-    alone, so the same on every layout)."""
-    if cfg.parallelism.gradient_leaves:
-        return cfg.parallelism.gradient_leaves
-    n = AUTO_MAX_LEAVES
-    while any(size % n for _, size in _global_batches(cfg)):
-        n //= 2
-    return n
-
-
-def _check_reduction(cfg: Config) -> None:
-    p = cfg.parallelism
-    if p.deterministic_reduction and cfg.model.kernels == "stock":
-        raise ConfigError("parallelism.deterministic_reduction = true cannot be honoured with model.kernels = 'stock': "
-                          "the stock engine's rollouts depend on the batch composition, so the global batch differs "
-                          "by layout; use model.kernels = 'exact', or leave the key unset")
-    if not deterministic_reduction(cfg):
-        return
-    leaves = p.gradient_leaves
-    if leaves < 0 or leaves & (leaves - 1):
-        raise ConfigError(f"parallelism.gradient_leaves = {leaves}: must be 0 (auto) or a power of two")
-    if not leaves:
-        return
-    for what, n in _global_batches(cfg):
-        if n % leaves:
-            raise ConfigError(f"parallelism.gradient_leaves = {leaves} must divide algorithm.{what} = {n} "
-                              "(the global batch is cut into equal leaves)")
-    if p.data_parallel_replicate_degree > 1:
-        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: "
-                          "deterministic_reduction covers FSDP only; use 1, or deterministic_reduction = false")
 
 
 def _check_quantization(cfg: Config) -> None:
@@ -387,9 +345,10 @@ def _quantization_problem(cfg: Config, recipe: str) -> str:
         if not path.is_file():
             return ""  # the checkpoint checks name the missing file
         arch_cfg = spec.config_from_hf(json.loads(path.read_text()))
+    options = ModelOptions(kernels="exact", quantization=Quantization(recipe, tuple(cfg.quantization.layers)))
     try:
         with torch.device("meta"):
-            spec.build(arch_cfg, kernels="exact", quant_recipe=recipe, quant_layers=tuple(cfg.quantization.layers))
+            spec.build(arch_cfg, options)
     except ValueError as e:
         return str(e)
     return ""

@@ -1,47 +1,8 @@
 """The execution contract: every choice that decides a log-prob's bits, in one hash.
 
-Trainer and rollout engine each describe their own side: `contract_of(model)` for a model
-built by a registered architecture (the trainer's, or the one inside our vLLM wrapper),
-`engine_contract(llm)` for what an in-process vLLM engine actually holds (its model's
-Ops, config and parameter dtype, this process's threads). `check` compares the two and
-refuses, naming the entries that differ. The RL trainer checks before its first rollout
-and after every weight sync (titan_rl/rl/trainer.py); parity records both sides in each
-engine result; the report shows the entries.
-
-Entries (flat names, `Contract.entries()`; canonical JSON -> sha256 = `Contract.hash`):
-  arch, model_config    the registered architecture; sha256 of its config (tp_leaves apart)
-  kernels, dtype        the kernel mode; the dtype the model computes in
-  tp_leaves             the leaf count the model file computes with (0 in stock mode)
-  gradient_leaves       the trainer's gradient reduction: "<n> leaves, fixed tree" under
-                        parallelism.deterministic_reduction (titan_rl/titan/leaf_reduction.py),
-                        "collective" (FSDP2's own reduce-scatter) otherwise; a trainer-only
-                        entry (the engine computes no gradients: "none"), so `check` does not
-                        compare it, but it is in the trainer's hash in metrics.jsonl
-  quantization          "<recipe>:<layer groups>" the model's linears run (kernels/quant), "none";
-                        a stock engine: "vllm:<its quantization method>"
-  op.<name>             the function each mode-dependent op calls (Ops), as the kernel
-                        dispatcher resolves it for the model's device (kernels/dispatch.py:
-                        torch_impl on CPU, triton_impl on CUDA); op.attention names the
-                        kernel module, because the trainer's dense and the engine's paged
-                        entry points are one kernel
-  op.fuse_same_input    q/k/v and gate/up as one GEMM each
-  source.kernels        sha256 of kernels/**/*.py
-  source.csrc           sha256 of kernels/csrc/* and the extension's build flags
-  platform.<choice>     kernels.selfcheck.platform_choices(device): the dispatcher's backend
-                        and its choices (GEMM, bf16 form, padding rules / Triton tiles),
-                        torch threads
-  selfcheck             the platform self-check at (dtype, threads, head_dim, device): "passed",
-                        "failed: ..." or "not run (stock)"
-  version.<package>     torch, vllm, torchtitan, torchao ("absent" where not installed)
-
-The layout (FSDP and TP degrees, rank) is not an entry: a run's bits must not depend on it.
-
-Stock mode: when both sides run kernels = "stock", the op entries name different
-implementations by design (plain torch in the trainer, vLLM's built-in model in the
-engine); `check` returns those names to be logged instead of refusing, and so does
-`quantization` (a stock trainer is plain high precision, a stock engine may run vLLM's own
-online quantization: the baseline of docs/quantization.md). Every other entry must still
-agree.
+Trainer and engine each describe their own side (`contract_of(model)`, `engine_contract(llm)`);
+`check` compares the two and refuses, naming each entry that differs with both values. The
+entries and why each is one: docs/architecture.md, "The execution contract".
 """
 
 from __future__ import annotations
@@ -57,14 +18,17 @@ from typing import Callable
 
 import torch
 
+from titan_rl.dtypes import dtype_name
 from titan_rl.kernels import cpu_ext, dispatch
 from titan_rl.kernels.selfcheck import PlatformNotInvariant, check_platform, platform_choices
+from titan_rl.models.ops import MODE_OPS
 from titan_rl.registry import architecture_of, get_architecture, list_architectures
-from titan_rl.validation import RunStopped, one_line
+from titan_rl.errors import RunStopped, one_line
 
 Value = str | int | bool
 
-OPS = ("linear", "rms_norm", "silu_mul", "rope", "lm_head", "gdn_elementwise", "gdn_l2norm", "gdn_recurrence")
+# the mode-dependent ops (models/ops.py's one list); attention is its own entry (below)
+OPS = tuple(name for name in MODE_OPS if name != "causal_attention")
 PACKAGES = ("torch", "vllm", "torchtitan", "torchao")
 NOT_BUILT = "none"
 STOCK_SELFCHECK = "not run (stock)"
@@ -172,7 +136,7 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
     named["fuse_same_input"] = bool(ops.fuse_same_input)
     return Contract(
         arch=architecture_of(model).name, model_config=_config_hash(cfg), kernels=ops.kernels,
-        dtype=_dtype_name(dtype), tp_leaves=int(ops.tp_leaves), ops=named, sources=kernel_sources(),
+        dtype=dtype_name(dtype), tp_leaves=int(ops.tp_leaves), ops=named, sources=kernel_sources(),
         platform=platform_choices(device),
         selfcheck=_selfcheck(ops.kernels, dtype, getattr(cfg, "head_dim", 128), device), versions=versions(),
         quantization=_quantization(ops), gradient_leaves=gradient_leaves)
@@ -209,7 +173,7 @@ def _builtin_contract(model_config, model: torch.nn.Module) -> Contract:
     builtin = f"vllm built-in {type(model).__module__}.{type(model).__qualname__}"
     return Contract(
         arch=specs[0].name, model_config=_config_hash(specs[0].config_from_hf(hf_config.to_dict())),
-        kernels="stock", dtype=_dtype_name(model_config.dtype), tp_leaves=0,
+        kernels="stock", dtype=dtype_name(model_config.dtype), tp_leaves=0,
         ops={name: builtin for name in (*OPS, "attention", "fuse_same_input")}, sources=kernel_sources(),
         platform=platform_choices(_param_device(model)), selfcheck=STOCK_SELFCHECK, versions=versions(),
         quantization=f"vllm:{method}" if (method := getattr(model_config, "quantization", None)) else NOT_BUILT)
@@ -224,10 +188,6 @@ def _qualname(fn) -> str:
 def _quantization(ops) -> str:
     recipe = getattr(ops, "quant_recipe", "none")
     return NOT_BUILT if recipe == "none" else f"{recipe}:{','.join(ops.quant_layers)}"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -245,8 +205,6 @@ def _param_device(model: torch.nn.Module) -> torch.device:
 
 def _config_hash(cfg) -> str:
     d = dataclasses.asdict(cfg)
-    for own_entry in ("tp_leaves", "quant_recipe", "quant_layers"):  # their own entries
-        d.pop(own_entry, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

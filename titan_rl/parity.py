@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from titan_rl import quiet
 
@@ -37,12 +37,13 @@ from titan_rl import config as config_mod
 from titan_rl.jsonout import write_json
 from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.mode import KERNEL_MODES, KernelMode
+from titan_rl.dtypes import DTYPES
 from titan_rl.kernels.quant.recipes import STOCK_QUANTIZATION
+from titan_rl.models.options import ModelOptions, Quantization
 from titan_rl.metrics import expert_disagreement, full_vocab_mismatch, logprob_mismatch
 from titan_rl.registry import get_architecture
 from titan_rl.rollout import Rollout
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_weights(cfg: config_mod.Config, workdir: str) -> str:
@@ -52,7 +53,7 @@ def build_weights(cfg: config_mod.Config, workdir: str) -> str:
     from titan_rl.checkpoint import CONFIG_NAME, save_hf_folder
 
     q = cfg.quantization
-    quant = dict(quant_recipe=q.recipe, quant_layers=tuple(q.layers))
+    options = ModelOptions(quantization=Quantization(q.recipe, tuple(q.layers)))
     folder = os.path.join(workdir, "weights")
     if cfg.model.checkpoint:
         if q.recipe == "none":
@@ -63,12 +64,11 @@ def build_weights(cfg: config_mod.Config, workdir: str) -> str:
                 os.symlink(os.path.abspath(os.path.join(cfg.model.checkpoint, name)), os.path.join(folder, name))
         with open(os.path.join(cfg.model.checkpoint, CONFIG_NAME)) as f:
             hf = json.load(f)
-        spec = get_architecture(cfg.model.name)
-        hf.update(replace(spec.config_from_hf(hf), **quant).hf_config(hf["architectures"][0], hf.get("dtype", "bfloat16")))
+        hf.update(options.to_hf())
         write_json(os.path.join(folder, CONFIG_NAME), hf)
         return folder
     spec = get_architecture(cfg.model.name)
-    model = spec.build(cfg.model.flavor, **quant).init_weights(cfg.model.seed, cfg.model.init_std)
+    model = spec.build(cfg.model.flavor, options).init_weights(cfg.model.seed, cfg.model.init_std)
     save_hf_folder(model, folder, dtype=DTYPES[cfg.model.dtype])
     return folder
 
@@ -248,6 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="--section.key=value")
     args, extra = ap.parse_known_args(argv)
     from titan_rl import validation as v
+    from titan_rl.errors import ConfigError, UserError, report_error
 
     try:
         # a misspelt option lands in `extra` and its value among the overrides: name the option
@@ -257,17 +258,17 @@ def main(argv=None) -> int:
         config_mod.validate_parity(cfg)
         stock_recipe = cfg.quantization.recipe
         if (args.kernels or cfg.model.kernels) in ("stock", "both") and stock_recipe not in ("none", *STOCK_QUANTIZATION):
-            raise config_mod.ConfigError(
+            raise ConfigError(
                 f"quantization.recipe = {stock_recipe!r} with --kernels {args.kernels or cfg.model.kernels}: the stock "
                 f"engine has no online form of it; allowed with stock kernels: {['none', *STOCK_QUANTIZATION]}")
         if args.num_prompts is not None and args.num_prompts < 1:
-            raise v.UserError(f"--num-prompts = {args.num_prompts}: must be >= 1")
+            raise UserError(f"--num-prompts = {args.num_prompts}: must be >= 1")
         if cfg.model.checkpoint:  # strictly, before vLLM's loader (its errors name no file)
             from titan_rl.checkpoint import check_hf_folder
 
             check_hf_folder(cfg.model.checkpoint, arch=cfg.model.name)
-    except v.USER_ERRORS as e:
-        return v.report_error(e, "config error" if isinstance(e, config_mod.ConfigError) else "error")
+    except UserError as e:
+        return report_error(e)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     seed = cfg.parity.seed if args.seed is None else args.seed
     n = cfg.parity.num_prompts if args.num_prompts is None else args.num_prompts

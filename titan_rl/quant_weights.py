@@ -15,13 +15,12 @@ import torch
 
 from titan_rl.kernels.quant import QuantizedWeight, fake_quantize
 from titan_rl.kernels.quant.recipes import QuantRecipe
+from titan_rl.models.layers import Linear
 
 
 def weight_recipes(model: torch.nn.Module) -> dict[str, QuantRecipe]:
     """{parameter name: recipe} of every quantized Linear's weight (the trainer's model or
     the engine's: the names are the model's own)."""
-    from titan_rl.models.qwen3 import Linear
-
     return {f"{name}.weight": m.recipe for name, m in model.named_modules()
             if isinstance(m, Linear) and m.recipe is not None}
 
@@ -42,8 +41,6 @@ def fake_quantized_state(state: Mapping[str, torch.Tensor], recipes: Mapping[str
 def engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights an engine's forward multiplies by: its parameters, and each held
     QuantizedWeight dequantized, under the parameter's name."""
-    from titan_rl.models.qwen3 import Linear
-
     out = {n: p.detach() for n, p in model.named_parameters()}
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.qweight is not None:
@@ -58,8 +55,6 @@ def state_bytes(state: Mapping[str, torch.Tensor | QuantizedWeight]) -> int:
 
 def held_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a model holds: parameters plus quantized payloads and scales."""
-    from titan_rl.models.qwen3 import Linear
-
     params = {id(p): p for p in model.parameters()}
     held = sum(p.numel() * p.element_size() for p in params.values())
     return held + sum(m.qweight.nbytes for m in model.modules() if isinstance(m, Linear) and m.qweight is not None)

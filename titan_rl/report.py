@@ -17,7 +17,7 @@ import math
 import os
 import sys
 
-from titan_rl.charts import COLORS, bar_chart, line_chart, scatter_chart
+from titan_rl.charts import COLORS, bar_chart, finite, line_chart, scatter_chart
 
 # ----------------------------------------------------------------------------- formatting
 
@@ -39,10 +39,6 @@ def fmt(v) -> str:
             return f"{v:.3e}"
         return f"{v:.4g}"
     return html.escape(str(v))
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _esc(s) -> str:
@@ -99,15 +95,15 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _mean(xs):
-    xs = [x for x in xs if _finite(x)]
+    xs = [x for x in xs if finite(x)]
     return sum(xs) / len(xs) if xs else None
 
 
 def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
     rl = [r for r in rows if r.get("phase") == "rl"]
-    dl = [(r["max_abs_dlogp"], r["step"]) for r in rl if _finite(r.get("max_abs_dlogp"))]
-    rewards = [r.get("reward_mean") for r in rl if _finite(r.get("reward_mean"))]
-    bw = [r["bitwise_fraction"] for r in rl if _finite(r.get("bitwise_fraction"))]
+    dl = [(r["max_abs_dlogp"], r["step"]) for r in rl if finite(r.get("max_abs_dlogp"))]
+    rewards = [r.get("reward_mean") for r in rl if finite(r.get("reward_mean"))]
+    bw = [r["bitwise_fraction"] for r in rl if finite(r.get("bitwise_fraction"))]
     out: list[tuple[str, object]] = [
         ("steps", len(rows)),
         ("last step", max((r.get("step", 0) for r in rows), default=None)),
@@ -125,7 +121,7 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
         ("mean rollout tokens/s", _mean([r.get("rollout_tokens_per_s") for r in rl])),
         ("mean train tokens/s", _mean([r.get("train_tokens_per_s") for r in rows])),
     ]
-    ed = [r["expert_disagreement"] for r in rl if _finite(r.get("expert_disagreement"))]
+    ed = [r["expert_disagreement"] for r in rl if finite(r.get("expert_disagreement"))]
     if ed:
         out.append(("max over steps of expert_disagreement (MoE)", max(ed)))
     checks = [r["weights_checksum_equal"] for r in rl if "weights_checksum_equal" in r]
@@ -174,7 +170,7 @@ def _pts(rows, key, phase=None):
 def run_report(run_dir: str, rows: list[dict]) -> str:
     summ = run_summary(rows)
     rl = [r for r in rows if r.get("phase") == "rl"]
-    dl = [r["max_abs_dlogp"] for r in rl if _finite(r.get("max_abs_dlogp"))]
+    dl = [r["max_abs_dlogp"] for r in rl if finite(r.get("max_abs_dlogp"))]
     if not rl:
         verdict = "<p>No RL steps recorded (only supervised warm-up steps): no mismatch measured.</p>"
     elif dl and max(dl) == 0:
@@ -256,7 +252,7 @@ def _detail(r: dict) -> dict | None:
 
 def _hist_log_ratio(lr: list[float], engine: str) -> str:
     """Histogram of |log rho| by decade, with exact zeros in their own 'bitwise equal' bar."""
-    a = [abs(v) for v in lr if _finite(v)]
+    a = [abs(v) for v in lr if finite(v)]
     n = len(a)
     zeros = sum(1 for v in a if v == 0)
     nz = [v for v in a if v > 0]
@@ -282,7 +278,7 @@ def _hist_log_ratio(lr: list[float], engine: str) -> str:
 
 
 def _bucket_chart(keys: list[float], lr: list[float], nb: int, title: str, xlabel: str, integer: bool) -> str:
-    pairs = [(k, abs(v)) for k, v in zip(keys, lr) if _finite(k) and _finite(v)]
+    pairs = [(k, abs(v)) for k, v in zip(keys, lr) if finite(k) and finite(v)]
     if not pairs:
         return bar_chart([], [], title, xlabel, "mean |log ratio|", note="no data")
     lo, hi = min(k for k, _ in pairs), max(k for k, _ in pairs)
@@ -312,16 +308,16 @@ def _bucket_chart(keys: list[float], lr: list[float], nb: int, title: str, xlabe
 
 def _prob(v: list[float]) -> list[float]:
     """pi / mu are log-probs (<= 0); if every value is in [0, 1] and some is > 0 they are taken as probabilities."""
-    vals = [x for x in v if _finite(x)]
+    vals = [x for x in v if finite(x)]
     if vals and all(0 <= x <= 1 for x in vals) and any(x > 0 for x in vals):
         return list(v)
-    return [math.exp(x) if _finite(x) else float("nan") for x in v]
+    return [math.exp(x) if finite(x) else float("nan") for x in v]
 
 
 def detail_section(r: dict, d: dict) -> list[str]:
     eng = r.get("engine", "?")
     lr = d["log_ratio"]
-    a = [abs(v) for v in lr if _finite(v)]
+    a = [abs(v) for v in lr if finite(v)]
     n = len(a)
     rows = [[f"|log &rho;| &gt; {t:g}", fmt(sum(1 for v in a if v > t) / n if n else None),
              fmt(sum(1 for v in a if v > t))] for t in TAILS]
@@ -332,7 +328,7 @@ def detail_section(r: dict, d: dict) -> list[str]:
     if "pi" in d and "mu" in d:
         p, m = _prob(d["pi"]), _prob(d["mu"])
         eq = all(x == y for x, y in zip(d["pi"], d["mu"]))
-        gap = max((abs(x - y) for x, y in zip(p, m) if _finite(x) and _finite(y)), default=0.0)
+        gap = max((abs(x - y) for x, y in zip(p, m) if finite(x) and finite(y)), default=0.0)
         out.append(scatter_chart(m, p, f"{eng}: trainer vs sampler probability of each sampled token",
                                  "sampler probability exp(mu)", "trainer probability exp(pi)",
                                  note="bitwise equal: every point on y = x exactly" if eq else
@@ -369,9 +365,9 @@ def parity_report(path: str, doc: dict) -> str:
         if m == 0:
             verdicts.append(f"<li><code>{_esc(e)}</code>: <span class='ok'>bitwise equal</span> — all "
                             f"{fmt(n)} sampled tokens have &pi; = &mu; exactly.</li>")
-        elif _finite(m):
+        elif finite(m):
             verdicts.append(f"<li><code>{_esc(e)}</code>: <span class='bad'>mismatch</span> — "
-                            f"{fmt(100 * bf) if _finite(bf) else '?'}% of {fmt(n)} tokens equal, "
+                            f"{fmt(100 * bf) if finite(bf) else '?'}% of {fmt(n)} tokens equal, "
                             f"max |&pi; &minus; &mu;| = {fmt(m)}.</li>")
     body += ["<h2>Engines side by side</h2>",
              "<p><b>exact</b>: vLLM runs titan_rl's model with the same kernels as the trainer (expected: bitwise "
@@ -380,7 +376,7 @@ def parity_report(path: str, doc: dict) -> str:
     known = [k for k, _ in PARITY_KEYS]
     keys = [k for k in known if any(k in r for r in results)]
     keys += sorted({k for r in results for k, v in r.items()
-                    if k not in known and k not in DETAIL_KEYS and k != "engine" and _finite(v)})
+                    if k not in known and k not in DETAIL_KEYS and k != "engine" and finite(v)})
     desc = dict(PARITY_KEYS)
     rows = [[f"{_esc(k)}<br><small>{_esc(desc.get(k, ''))}</small>"] + [fmt(r.get(k)) for r in results] for k in keys]
     body.append(table(["metric"] + [f"<code>{_esc(e)}</code>" for e in engines], rows))

@@ -137,3 +137,48 @@ class Rollout:
         for i, r in enumerate(self.routes):
             out[i, : r.shape[0]] = r.to(torch.int16)
         return out
+
+
+def _widen(t: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """t [B, w, ...] right-padded with `fill` to [B, width, ...]."""
+    out = torch.full((t.shape[0], width, *t.shape[2:]), fill, dtype=t.dtype)
+    out[:, :t.shape[1]] = t
+    return out
+
+
+@dataclass
+class ScoredBatch:
+    """A rollout as the trainer scores it: `tokens` [B, L] (L >= the longest row: a batch
+    plan may widen it), `mask` / `mu` [B, L - 1] at the positions predicting sampled
+    tokens, the engine's `routes` [B, L, layers, k] (-1: none) and each row's first kept-set
+    row (`kept_at`, B + 1 offsets into `kept`). `ref`, `weights`, `loss_mask`: what the
+    loss takes as the old log-probs, its per-token weights and mask (mu, None and `mask`
+    unless a correction sets them)."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    mu: torch.Tensor
+    routes: torch.Tensor | None
+    kept: torch.Tensor | None
+    kept_at: list[int]
+    ref: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, rollout: Rollout, tokens: torch.Tensor) -> ScoredBatch:
+        """`tokens`: rollout.batch(pad), possibly right-padded wider."""
+        L = tokens.shape[1]
+        mask, mu = _widen(rollout.mask(), L - 1, False), _widen(rollout.padded_mu(), L - 1, 0.0)
+        routes = None if rollout.routes is None else _widen(rollout.padded_routes(), L, -1)
+        kept_at = [0, *mask.sum(1).cumsum(0).tolist()]
+        return cls(tokens, mask, mu, routes, rollout.kept, kept_at, ref=mu, loss_mask=mask)
+
+    def kept_rows(self, rows: range) -> torch.Tensor | None:
+        return None if self.kept is None else self.kept[self.kept_at[rows.start]:self.kept_at[rows.stop]]
+
+    def flat_routes(self, rows: range) -> list[torch.Tensor]:
+        """The engine's routes of `rows`, per layer [len(rows) * L, k] (router replay)."""
+        r = self.routes[rows.start:rows.stop]
+        flat = r.reshape(len(rows) * r.shape[1], *r.shape[2:])
+        return [flat[:, layer] for layer in range(flat.shape[1])]

@@ -3,16 +3,16 @@ resumed after a crash summarises all its steps, not only this process's)."""
 
 from __future__ import annotations
 
-import json
 import os
+
+from titan_rl.run_dir import METRICS_FILE, read_metrics
 
 
 def summary_line(cfg, run_dir: str, seconds: float | None = None) -> str | None:
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        ms = [json.loads(ln) for ln in f if ln.strip()]
+    ms = read_metrics(run_dir)
     if not ms:
         return None
     rl = [m for m in ms if m.get("phase") == "rl"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -34,6 +35,8 @@ def main(argv=None) -> int:
     quiet.install()
     from titan_rl import config as config_mod
     from titan_rl import validation as v
+    from titan_rl.errors import REPORTED, report_error
+    from titan_rl.run_dir import latest_checkpoint_step
 
     ap = argparse.ArgumentParser(prog="python -m titan_rl.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="TOML file (default: the built-in debug config)")
@@ -53,7 +56,7 @@ def main(argv=None) -> int:
             print(config_mod.to_toml(cfg))
             return 0
         task, changes = v.preflight_train(cfg, run_dir, allow)
-        done = v.latest_checkpoint_step(cfg, run_dir) if cfg.checkpoint.enable else 0
+        done = latest_checkpoint_step(cfg, run_dir) if cfg.checkpoint.enable else 0
         if done >= cfg.training.steps:
             if rank0:
                 print(f"run dir {run_dir!r} has already finished: checkpoint at step {done} of "
@@ -67,11 +70,39 @@ def main(argv=None) -> int:
             return 0
         if rank0:
             v.write_run_config(cfg, run_dir)
-        from titan_rl.rl.trainer import run
-
         return run(cfg, run_dir, task=task, config_changes=changes)
-    except v.USER_ERRORS + (v.RunStopped,) as e:
-        return v.report_error(e, "config error" if isinstance(e, config_mod.ConfigError) else "error")
+    except REPORTED as e:
+        return report_error(e)
+
+
+def run(cfg, run_dir: str, task=None, config_changes=None) -> int:
+    """Train; `python -m titan_rl.train` has already run the start-up checks
+    (titan_rl.validation) and passes the task they loaded and the allowed config changes."""
+    import torch
+
+    from titan_rl.launch import single_process_world
+    from titan_rl.rl.trainer import RLTrainer
+    from titan_rl.run_dir import keep_latest
+    from titan_rl.summary import summary_line
+    from titan_rl.titan.build import build_titan_config
+
+    # A plain `python -m titan_rl.train` is a world of one: TorchTitan keeps its FSDP mesh at
+    # size 1, so bf16 gets the same mixed-precision policy (fp32 masters) as under torchrun.
+    single_process_world()
+    os.makedirs(run_dir, exist_ok=True)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    t0 = time.perf_counter()
+    trainer = RLTrainer(build_titan_config(cfg, run_dir), cfg, run_dir, task=task, config_changes=config_changes)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if trainer.ranks.rank == 0:
+        keep_latest(cfg, run_dir)
+        line = summary_line(cfg, run_dir, time.perf_counter() - t0)
+        if line:
+            print(line, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

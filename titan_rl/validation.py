@@ -9,39 +9,17 @@ two settings.
 from __future__ import annotations
 
 import difflib
-import math
 import os
-import sys
 from pathlib import Path
 
 import tomli
 
 from titan_rl import config as config_mod
-from titan_rl.checkpoint import CheckpointError
+from titan_rl.errors import UserError, one_line
+from titan_rl.run_dir import latest_checkpoint_step
 from titan_rl.rl.global_batch import check_global_batch
 
 CONFIG_FILE = "config.toml"
-
-
-class UserError(Exception):
-    """Bad input from the user (or the user's task code): one line, exit code 2."""
-
-
-class RunStopped(Exception):
-    """The run stopped itself to keep bad values out of the weights: one line, exit code 1."""
-
-
-USER_ERRORS = (UserError, config_mod.ConfigError, CheckpointError)
-
-
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
-def report_error(e: BaseException, prefix: str = "error") -> int:
-    """Print a known error as one line and return its exit code."""
-    print(f"{prefix}: {one_line(e)}", file=sys.stderr, flush=True)
-    return 1 if isinstance(e, RunStopped) else 2
 
 
 def check_cli_overrides(extra: list[str], options: list[str]) -> None:
@@ -81,17 +59,6 @@ def config_diff(old: dict, new: dict) -> dict[str, tuple]:
     """{section.key: (old, new)} over the union of keys (a key one side lacks shows as None)."""
     a, b = _flat(old), _flat(new)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
-
-
-def latest_checkpoint_step(cfg: config_mod.Config, run_dir: str) -> int:
-    """The newest complete DCP checkpoint's step (DCP writes .metadata last), 0 if none."""
-    folder = Path(run_dir) / cfg.checkpoint.folder
-    steps = [0]
-    if folder.is_dir():
-        for d in folder.iterdir():
-            if d.name.startswith("step-") and d.name[5:].isdigit() and (d / ".metadata").is_file():
-                steps.append(int(d.name[5:]))
-    return max(steps)
 
 
 def check_run_config(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> dict[str, tuple]:
@@ -194,26 +161,6 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
               and all(isinstance(t, int) for t in list(pairs[0][0]) + list(pairs[0][1])))
         if not ok:
             raise UserError(f"{what} returned {pairs!r:.200}: need one (prompt_ids, target_ids) pair of int lists")
-
-
-def check_reward(value, task_name: str, example_index: int, example, completion_index: int, completion, tok,
-                 step: int) -> float:
-    """A reward must be a finite number: a NaN would turn the advantages, the loss and then
-    every weight into NaN without an error."""
-    try:
-        r = float(value)
-    except (TypeError, ValueError):
-        r = None
-    if r is not None and math.isfinite(r):
-        return r
-    try:
-        text = tok.decode(completion)
-    except Exception:
-        text = "?"
-    raise UserError(
-        f"task {task_name!r} returned reward {value!r} at step {step} for example {example_index} "
-        f"(prompt {getattr(example, 'prompt_text', '')!r}), completion {completion_index} ({text!r}, ids "
-        f"{list(completion)}): rewards must be finite numbers")
 
 
 # -- model / checkpoint -----------------------------------------------------------------

@@ -10,12 +10,12 @@ zero-padded to MIN_N rows (fp32 with an odd K and N <= 11 varied otherwise).
 The GEMM (`GEMM`, chosen once per platform and reported by the self-check):
   "onednn": oneDNN's matmul on a weight reordered once into its blocked layout
             (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise, what vLLM's
-            CPU linears use): 2.3-3x faster than torch.mm in fp32 on the AMD EPYC
-            machines, invariant under the rule above;
+            CPU linears use): faster than torch.mm in fp32 (docs/kernels.md has the
+            figures), invariant under the rule above;
   "mm":     torch.mm (BLAS), where torch has no oneDNN.
 bf16 (`BF16_GEMM`): "native" bf16 GEMMs where the CPU has bf16 instructions; else "fp32":
-operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (~5-7x faster than a bf16
-GEMM without those instructions).
+operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (faster than a bf16 GEMM
+without those instructions: docs/kernels.md).
 
 The engine prepares each weight once per load (`PackedWeight`); the
 trainer's weights change every step, so `linear` packs them per call (a copy of K*N
@@ -138,7 +138,7 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
 #     call each on a contiguous [rows, K/L] x [K/L, N] problem, upcast to fp32) combined
 #     by a balanced pairwise tree ((l0+l1)+(l2+l3))+...; a rank owns L/t consecutive
 #     leaves = one whole subtree, and the ranks finish the same tree
-#     (titan_rl/titan/tp_linear.py).
+#     (titan_rl/parallel/tp_linear.py).
 # L (the model's `tp_leaves`) does not depend on t, so TP = 1, 2, ..., L and the rollout
 # engine (TP = 1) compute identical bits. Both forms stay batch-invariant: every piece is
 # a call of `linear`, and the tree adds elementwise.
@@ -180,7 +180,7 @@ def leaf_partials(x: torch.Tensor, weight: torch.Tensor, n_leaves: int) -> torch
 def linear_k_leaves(x: torch.Tensor, weight: torch.Tensor, k_leaves: int) -> torch.Tensor:
     """y = x @ weight^T with the reduction over K cut into `k_leaves` leaves summed by a
     fixed fp32 tree; output in x's dtype. Equal, bit for bit, to the row-parallel form
-    (titan_rl.titan.tp_linear.row_parallel_linear) on any TP degree dividing k_leaves."""
+    (titan_rl.parallel.tp_linear.row_parallel_linear) on any TP degree dividing k_leaves."""
     return tree_sum(leaf_partials(x, weight, k_leaves)).to(x.dtype)
 
 

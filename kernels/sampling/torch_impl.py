@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from titan_rl.kernels.dispatch import Dispatched
+from titan_rl.kernels import dispatch
 
 NEG_INF = float("-inf")
-_dispatched_drop_mask = Dispatched("drop_mask")
-# the function vLLM's sampler records its log-probs with (titan_rl.vllm.sampling.install_logprobs)
-_dispatched_log_softmax = Dispatched("log_softmax_fp32")
 GREEDY_EPS = 1e-5  # vllm/v1/sample/sampler.py _SAMPLING_EPS
 
 
@@ -84,7 +81,7 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     (kernels/dispatch.py: this module's on CPU, sampling/triton_impl.py's on CUDA)."""
     if k is None and p is None:
         return logits
-    return logits.masked_fill(_dispatched_drop_mask(logits, k, p), NEG_INF)
+    return logits.masked_fill(dispatch.drop_mask(logits, k, p), NEG_INF)
 
 
 def kept_mask(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -137,4 +134,5 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature, to
         raise ValueError("sampled token outside its kept set: "
                          + ", ".join(f"row {i} token {int(tokens[i])}" for i in bad[:8])
                          + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""))
-    return _dispatched_log_softmax(masked).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    # the function vLLM's sampler records its log-probs with (titan_rl.vllm.sampling.install_logprobs)
+    return dispatch.log_softmax_fp32(masked).gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -7,7 +7,13 @@ the batch a world of one draws, so the rollouts do not depend on the layout."""
 
 from __future__ import annotations
 
-from titan_rl.config import Config, ConfigError, deterministic_reduction, gradient_leaf_count
+from typing import TYPE_CHECKING
+
+from titan_rl.errors import ConfigError
+from titan_rl.rl import batch_plan
+
+if TYPE_CHECKING:
+    from titan_rl.config import Config
 
 
 def data_parallel_degree(world: int, tensor_parallel_degree: int) -> int:
@@ -36,26 +42,4 @@ def check_global_batch(cfg: Config, world: int) -> None:
                 f"algorithm.{key} = {n} must be divisible by the data-parallel degree {dp} (WORLD_SIZE = {world} / "
                 f"parallelism.tensor_parallel_degree = {tp}): it counts the whole step, and each data-parallel "
                 f"rank takes an equal share")
-    leaves = gradient_leaf_count(cfg)
-    if deterministic_reduction(cfg) and leaves % dp:
-        what = "" if cfg.parallelism.gradient_leaves else " (0 = auto: the largest power of two up to 2 dividing the batches)"
-        raise ConfigError(f"parallelism.gradient_leaves = {leaves}{what} must be divisible by the data-parallel degree "
-                          f"{dp} (WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): each rank owns an "
-                          f"equal run of leaves; set parallelism.gradient_leaves to a power of two >= {dp} that divides "
-                          "the batches, or parallelism.deterministic_reduction = false")
-
-
-def gradient_leaves(total: int, n_leaves: int, dp_degree: int, dp_rank: int) -> list[range]:
-    """The gradient leaves data-parallel rank `dp_rank` of `dp_degree` owns, as global
-    indices of the `total` items: the global batch is cut into `n_leaves` equal, contiguous
-    leaves (a power of two, the same for every layout) and the rank takes n_leaves / dp_degree
-    consecutive ones, a whole aligned subtree of the fixed reduction tree
-    (titan_rl.titan.leaf_reduction)."""
-    if n_leaves < 1 or n_leaves & (n_leaves - 1):
-        raise ValueError(f"{n_leaves} gradient leaves: must be a power of two")
-    if total % n_leaves or n_leaves % dp_degree:
-        raise ValueError(f"{total} items do not cut into {n_leaves} equal gradient leaves shared by "
-                         f"{dp_degree} data-parallel ranks")
-    size, per_rank = total // n_leaves, n_leaves // dp_degree
-    first = dp_rank * per_rank
-    return [range(j * size, (j + 1) * size) for j in range(first, first + per_rank)]
+    batch_plan.check_layout(cfg, dp, world)

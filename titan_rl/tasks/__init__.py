@@ -1,6 +1,6 @@
 """Built-in verifiable RL tasks (no downloads): tokenizer, examples, rewards, loader."""
 
-from .base import BUILTIN_TASKS, CharTokenizer, Example, Task, load_task, match_reward
+from .base import BUILTIN_TASKS, CharTokenizer, Example, Task, check_reward, load_task, match_reward
 from .digits import DIGITS_ALPHABET, DigitAddTask, DigitReverseTask
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "DigitReverseTask",
     "Example",
     "Task",
+    "check_reward",
     "load_task",
     "match_reward",
 ]

@@ -8,9 +8,12 @@ and scores a sampled completion (token ids) with a reward in [0, 1].
 from __future__ import annotations
 
 import importlib
+import math
 import random
 from dataclasses import dataclass
 from typing import Iterable
+
+from titan_rl.errors import UserError
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -211,3 +214,23 @@ def load_task(path: str, **kwargs) -> Task:
     else:
         raise ValueError(f"load_task: {target!r} is not a Task (got {type(obj).__name__})")
     return task
+
+
+def check_reward(value, task_name: str, example_index: int, example, completion_index: int, completion, tok,
+                 step: int) -> float:
+    """A reward must be a finite number: a NaN would turn the advantages, the loss and then
+    every weight into NaN without an error."""
+    try:
+        r = float(value)
+    except (TypeError, ValueError):
+        r = None
+    if r is not None and math.isfinite(r):
+        return r
+    try:
+        text = tok.decode(completion)
+    except Exception:
+        text = "?"
+    raise UserError(
+        f"task {task_name!r} returned reward {value!r} at step {step} for example {example_index} "
+        f"(prompt {getattr(example, 'prompt_text', '')!r}), completion {completion_index} ({text!r}, ids "
+        f"{list(completion)}): rewards must be finite numbers")

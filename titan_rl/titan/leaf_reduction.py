@@ -27,7 +27,7 @@ Cost (scripts/bench_layout.py): G forwards/backwards of the leaves instead of on
 a flat copy of each unit's gradient per leaf (the stack holds log2(G/D) + 1 of them) and an
 all_gather of the whole unsharded gradient instead of a reduce-scatter.
 Not covered: HSDP (dp_replicate > 1). Under TP (tp_leaves > 0) the TP ranks' partial sums go
-through the model file's own fixed trees (titan_rl/titan/tp_linear.py), so FSDP x TP layouts agree too.
+through the model file's own fixed trees (titan_rl/parallel/tp_linear.py), so FSDP x TP layouts agree too.
 """
 
 from __future__ import annotations

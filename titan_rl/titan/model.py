@@ -6,7 +6,7 @@ checks `verify_module_protocol()`, asks the config `update_from_config(config=..
 `init_weights(buffer_device=...)`, then `model(tokens, **extra_kwargs)`.
 
 `TitanModel.Config.build()` builds the ONE model definition through the registry
-(`ArchitectureSpec.build(config, kernels=...)`) and re-classes the instance to a
+(`ArchitectureSpec.build(config, options)`) and re-classes the instance to a
 subclass of (TitanModel, <the architecture's class>). Nothing is copied or wrapped:
 parameter names stay the model's own (HF names), the forward is the model's own, and
 the rollout engine builds the very same class. TitanModel only adds what TorchTitan
@@ -24,9 +24,8 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import BaseModel
 
-from titan_rl.kernels.mode import KernelMode
+from titan_rl.models.options import ModelOptions
 from titan_rl.registry import get_architecture
-from titan_rl.titan.parallelize import check_tp_degree
 
 
 _TITAN_CLASSES: dict[type, type] = {}
@@ -51,45 +50,21 @@ class TitanModel(BaseModel):
         """Flavor of the architecture (ignored when `model_config` is given)."""
         model_config: Any = None
         """The architecture's own config object (e.g. Qwen3Config); None: flavors[flavor]."""
-        kernels: KernelMode = "exact"
-        """'exact' (batch-invariant kernels) or 'stock' (plain torch)."""
-        tp_leaves: int = 0
-        """Written into the architecture's config (its `tp_leaves` field; the model file
-        computes the pieces, and config.json carries it to the rollout engine).
-        L > 0 (a power of two, a multiple of the TP degree; exact kernels):
-        column-parallel linears run as L fixed column blocks and row-parallel ones as L
-        K-leaves summed by a fixed tree, on every layout: trainer TP = 1, 2, ..., L and
-        the engine give the same bits. 0: the architecture config's own value (0 by
-        default: one GEMM per linear; TP > 1 is then close, not bitwise)."""
+        options: ModelOptions = ModelOptions()
+        """How the model computes (kernel mode, TP leaves, quantization): the model's Ops
+        read it, and config.json carries it to the rollout engine (models/options.py)."""
         init_seed: int = 0
         init_std: float = 0.02
 
         def arch_config(self):
-            """The architecture's config with `tp_leaves` applied (what build() builds)."""
-            cfg = self.model_config
-            if cfg is None:
-                cfg = get_architecture(self.arch).flavors[self.flavor]
-            if not self.tp_leaves:
-                return cfg
-            if not hasattr(cfg, "tp_leaves"):
-                raise ValueError(
-                    f"tp_leaves = {self.tp_leaves}: the {self.arch!r} config has no tp_leaves field "
-                    "(the model file must compute the leaf pieces itself, or the rollout engine "
-                    "would compute other bits)")
-            if cfg.tp_leaves not in (0, self.tp_leaves):
-                raise ValueError(f"tp_leaves = {self.tp_leaves} conflicts with model_config.tp_leaves "
-                                 f"= {cfg.tp_leaves}")
-            if cfg.tp_leaves != self.tp_leaves:
-                cfg = replace(cfg, tp_leaves=self.tp_leaves)
-                if hasattr(cfg, "validate"):
-                    cfg.validate()
-            return cfg
+            """The architecture's config (what build() builds)."""
+            return self.model_config if self.model_config is not None else get_architecture(self.arch).flavors[self.flavor]
 
         def build(self, **kwargs):
             if kwargs:
                 raise TypeError(f"TitanModel.Config.build() takes no arguments, got {sorted(kwargs)}")
             arch = get_architecture(self.arch)
-            model = arch.build(self.arch_config(), kernels=self.kernels)
+            model = arch.build(self.arch_config(), self.options)
             model.__class__ = _titan_class(type(model))
             model.titan_config = replace(self)
             return model
@@ -106,8 +81,9 @@ class TitanModel(BaseModel):
                 )
             parallelism = getattr(config, "parallelism", None)
             tp = getattr(parallelism, "tensor_parallel_degree", 1) if parallelism else 1
-            if tp > 1:
-                check_tp_degree(cfg, tp, getattr(cfg, "tp_leaves", 0))
+            plan = get_architecture(self.arch).tp_plan
+            if tp > 1 and plan is not None:
+                plan.check_degree(cfg, tp, self.options.tp_leaves)
             compile_cfg = getattr(config, "compile", None)
             if compile_cfg is not None and getattr(compile_cfg, "enable", False):
                 raise ValueError(
@@ -168,7 +144,7 @@ class TitanModel(BaseModel):
         if not any(_is_dtensor(p) for p in self.parameters()):
             arch_cls.init_weights(self, seed=seed, std=std)
             return self
-        ref = get_architecture(c.arch).build(c.arch_config(), kernels=c.kernels)  # plain, unsharded
+        ref = get_architecture(c.arch).build(c.arch_config(), c.options)  # plain, unsharded
         ref.init_weights(seed=seed, std=std)
         load_full_state_dict(self, ref.state_dict())
         return self

@@ -106,7 +106,7 @@ REFUSED_KEYS: dict[str, str] = {
     "training.enable_cpu_offload": "the trainer's state is on the CPU already (CPU build)",
     "parallelism.spmd_backend": "titan_rl needs 'partial_dtensor' (TorchTitan's 'spmd_types' path fails with "
                                 "torch 2.13's FSDP2)",
-    "parallelism.enable_sequence_parallel": "titan_rl's TP linears (titan_rl.titan.tp_linear) have no "
+    "parallelism.enable_sequence_parallel": "titan_rl's TP linears (titan_rl.parallel.tp_linear) have no "
                                             "sequence-parallel layout",
     "parallelism.enable_fsdp_symm_mem": "needs CUDA symmetric memory (CPU build)",
     "parallelism.expert_parallel_degree": "expert parallel is not supported for titan_rl's MoE models",

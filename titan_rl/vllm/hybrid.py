@@ -74,7 +74,7 @@ class TitanGDNState(nn.Module, MambaBase):
 
 
 class VllmLinearState:
-    """models/qwen3_hybrid.LinearState over vLLM's state cache, for one forward step."""
+    """The hybrid's LinearState (models/qwen3_hybrid/model.py) over vLLM's state cache, for one forward step."""
 
     def __init__(self, layers: dict[int, TitanGDNState], metadata: dict):
         self.layers = layers

@@ -25,9 +25,10 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titan_rl.kernels import gemm_weight, lm_head_logits
-from titan_rl.kernels.quant import QuantizedWeight
 from titan_rl.kernels.selfcheck import check_platform
-from titan_rl.models import qwen3
+from titan_rl.models.layers import Linear, prepare_for_engine
+from titan_rl.models.options import ModelOptions
+from titan_rl.parallel.plan import apply_tp_local, local_shard
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.attention import TitanAttentionBackend
 
@@ -52,9 +53,9 @@ def _attention(cfg, vllm_config: VllmConfig, prefix: str, layer: int) -> Attenti
                      attn_backend=attention_backend(vllm_config))
 
 
-def _shard_for_tp(net: nn.Module, vllm_config: VllmConfig) -> tuple[int, int, dict[str, int]]:
+def _shard_for_tp(net: nn.Module, spec, vllm_config: VllmConfig) -> tuple[int, int, dict[str, int]]:
     """tensor_parallel_size > 1: shard the model with the trainer's TP plan and leaf tree
-    (titan_rl.titan.parallelize.apply_tp_local) on vLLM's TP group. Returns (rank, size,
+    (titan_rl.parallel.plan.apply_tp_local) on vLLM's TP group. Returns (rank, size,
     {parameter name: split dim}); (0, 1, {}) at TP = 1."""
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp == 1:
@@ -68,12 +69,12 @@ def _shard_for_tp(net: nn.Module, vllm_config: VllmConfig) -> tuple[int, int, di
         raise ValueError(f"tensor_parallel_size = {tp} with quantization recipe {net.ops.quant_recipe!r}: a quantized "
                          "weight is held whole (its scales are per row / block of the full tensor); use "
                          "tensor_parallel_size = 1")
+    if spec.tp_plan is None:
+        raise ValueError(f"tensor_parallel_size = {tp}: architecture {spec.name!r} has no TP plan ({spec.no_tp_reason})")
     from vllm.distributed import get_tp_group
 
-    from titan_rl.titan.parallelize import apply_tp_local
-
     group = get_tp_group()
-    return group.rank_in_group, tp, apply_tp_local(net, group.device_group)
+    return group.rank_in_group, tp, apply_tp_local(net, spec.tp_plan, group.device_group)
 
 
 class TitanForCausalLM(nn.Module):
@@ -95,16 +96,16 @@ class TitanForCausalLM(nn.Module):
         # Refuse exact mode on a platform whose GEMMs break the invariance we rely on.
         check_platform(vllm_config.model_config.dtype, head_dim=getattr(cfg, "head_dim", 128),
                        device=vllm_config.device_config.device_type)
-        net = spec.build(cfg, kernels="exact")
-        self._tp_rank, self._tp, self._tp_split = _shard_for_tp(net, vllm_config)
-        self.cfg = cfg
+        net = spec.build(cfg, ModelOptions.from_hf(hf.to_dict(), kernels="exact"))
+        self._tp_rank, self._tp, self._tp_split = _shard_for_tp(net, spec, vllm_config)
+        self.cfg, self.options = cfg, net.options
         self.model, self.lm_head = net.model, net.lm_head
         object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
         self._lm_head_fp32: torch.Tensor | None = None
         self._dtype = vllm_config.model_config.dtype
         # parameter name -> the quantized Linear that holds it (as payload + scales once loaded)
         self._quantized = {f"{n}.weight": m for n, m in self.named_modules()
-                           if isinstance(m, qwen3.Linear) and m.recipe is not None}
+                           if isinstance(m, Linear) and m.recipe is not None}
         return cfg
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ class TitanForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
             if name in self._quantized:
-                self._load_quantized(name, tensor)
+                self._quantized[name].load_quantized(name, tensor, self._dtype)
                 loaded.add(name)
                 continue
             if name not in params:
@@ -148,8 +149,6 @@ class TitanForCausalLM(nn.Module):
             if want != list(tensor.shape):
                 raise ValueError(f"checkpoint key {name!r}: expected shape {tuple(want)}, found {tuple(tensor.shape)}")
             if dim is not None:
-                from titan_rl.titan.parallelize import local_shard
-
                 tensor = local_shard(tensor, dim, self._tp_rank, self._tp)
             with torch.no_grad():
                 p.copy_(tensor.to(p.dtype))
@@ -157,40 +156,5 @@ class TitanForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             loaded.add("lm_head.weight")
         self._lm_head_fp32 = None  # refreshed from the new weights on next use
-        self._cache_gemm_weights()
+        prepare_for_engine(self._net)
         return loaded
-
-    def _load_quantized(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
-        """Hold `name` as payload + scales; the dense parameter is dropped (the memory the
-        recipe saves). A dense tensor is quantized here, by the trainer's function."""
-        m = self._quantized[name]
-        if isinstance(tensor, torch.Tensor):
-            if tuple(tensor.shape) != m.shape:
-                raise ValueError(f"checkpoint key {name!r}: expected shape {m.shape}, found {tuple(tensor.shape)}")
-            tensor = QuantizedWeight.of(tensor.to(self._dtype), m.recipe)
-        if tensor.recipe != m.recipe or tensor.dtype != self._dtype:
-            raise ValueError(f"checkpoint key {name!r}: a {tensor.recipe} weight of {tensor.dtype}; this engine "
-                             f"runs {m.recipe} in {self._dtype}")
-        m.qweight = tensor
-        m.weight = None
-
-    def _cache_gemm_weights(self) -> None:
-        """Prepare (kernels' gemm_weight), once per load, the weights the forward multiplies
-        by through `linear` (the trainer prepares them per call; the bits are the same): [q; k; v] and
-        [gate; up] (qwen3.Ops.same_input) and every other Linear (o, down, GDN
-        projections). The LM head has its fp32 copy (compute_logits); TP pieces
-        (tp_leaves > 0) slice their weights per call, so nothing is prepared for them."""
-        if self._net.ops.tp_leaves:
-            return
-        fused = {id(self.lm_head)}
-        for m in self._net.modules():
-            # quantized linears are dequantized per call instead (Linear.operand_weight)
-            if isinstance(m, qwen3.Attention) and m.q_proj.recipe is None:
-                m.packed_qkv = gemm_weight(torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach())
-                fused.update(id(x) for x in (m.q_proj, m.k_proj, m.v_proj))
-            elif isinstance(m, qwen3.MLP) and m.gate_proj.recipe is None:
-                m.packed_gate_up = gemm_weight(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
-                fused.update(id(x) for x in (m.gate_proj, m.up_proj))
-        for m in self._net.modules():
-            if isinstance(m, qwen3.Linear) and id(m) not in fused and m.recipe is None:
-                m.gemm_weight = gemm_weight(m.weight)

@@ -1,7 +1,7 @@
-"""Qwen3-MoE decoder: models/qwen3.py with the dense MLP replaced by a routed one.
+"""Qwen3-MoE decoder: qwen3's (models/qwen3/model.py) with the dense MLP replaced by a routed one.
 
 Everything but the MLP (attention, RoPE, q/k norms, RMSNorm, Linear and its kinds, the
-LM head, `hidden_states`/`logits`/`forward`) is qwen3.py's, and the kernel modes are
+LM head, `hidden_states`/`logits`/`forward`) is qwen3's, and the kernel modes are
 models/ops.py's `Ops`: imported, not copied, so both engines drive this model exactly
 like the dense one.
 
@@ -27,87 +27,16 @@ probabilities of them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from titan_rl.kernels.mode import KernelMode
 from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk
+from titan_rl.models.layers import AttentionFn, Linear
 from titan_rl.models.ops import Ops
-from titan_rl.models.qwen3 import (
-    MLP, AttentionFn, DecoderLayer, Linear, Qwen3Config, Qwen3ForCausalLM, resolve_config,
-)
-
-
-@dataclass(frozen=True)
-class Qwen3MoeConfig(Qwen3Config):
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 128
-    norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.001
-
-    def validate(self) -> "Qwen3MoeConfig":
-        super().validate()
-        if self.num_experts < 1:
-            raise ValueError(f"model.num_experts = {self.num_experts} must be >= 1")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"model.num_experts_per_tok = {self.num_experts_per_tok} must be in 1..num_experts ({self.num_experts})"
-            )
-        L = self.tp_leaves
-        if L and self.moe_intermediate_size % L:
-            raise ValueError(f"model.tp_leaves = {L} must divide moe_intermediate_size = {self.moe_intermediate_size}")
-        return self
-
-    def hf_config(self, architecture: str = "TitanQwen3MoeForCausalLM", dtype: str = "bfloat16") -> dict:
-        d = super().hf_config(architecture, dtype)
-        d.update(
-            model_type="qwen3_moe",
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            moe_intermediate_size=self.moe_intermediate_size,
-            norm_topk_prob=self.norm_topk_prob,
-            router_aux_loss_coef=self.router_aux_loss_coef,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-        )
-        return d
-
-    @classmethod
-    def from_hf(cls, d: dict) -> "Qwen3MoeConfig":
-        if d.get("model_type", "qwen3_moe") != "qwen3_moe":
-            raise ValueError(f"config.json model_type = {d.get('model_type')!r}, expected 'qwen3_moe'")
-        if int(d.get("decoder_sparse_step", 1)) != 1 or list(d.get("mlp_only_layers") or []):
-            raise ValueError(
-                "config.json has dense layers (decoder_sparse_step != 1 or mlp_only_layers non-empty); "
-                "only all-sparse Qwen3-MoE is supported"
-            )
-        dense = Qwen3Config.from_hf({**d, "intermediate_size": d.get("intermediate_size", d["moe_intermediate_size"])})
-        fields = {f: getattr(dense, f) for f in Qwen3Config.__dataclass_fields__}
-        return cls(
-            **fields,
-            # transformers >= 5 renames num_experts to num_local_experts in to_dict()
-            num_experts=d["num_experts"] if "num_experts" in d else d["num_local_experts"],
-            num_experts_per_tok=d["num_experts_per_tok"],
-            moe_intermediate_size=d["moe_intermediate_size"],
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
-        ).validate()
-
-
-FLAVORS: dict[str, Qwen3MoeConfig] = {
-    # ~4.5M parameters (8 experts, top-2): trains in seconds on CPU.
-    "debug_moe": Qwen3MoeConfig(),
-    # ~73M parameters (16 experts, top-4, ~16M active per token): benchmarks.
-    "small_moe": Qwen3MoeConfig(
-        vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
-    ),
-}
+from titan_rl.models.qwen3.model import MLP, DecoderLayer, Qwen3ForCausalLM
+from titan_rl.models.qwen3_moe.config import Qwen3MoeConfig
 
 
 class SparseMoeBlock(nn.Module):
@@ -170,6 +99,3 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             b.last_probs = b.last_ids = b.last_own_ids = None
         return h
 
-
-def build(flavor: str | Qwen3MoeConfig, kernels: KernelMode = "exact", **overrides) -> Qwen3MoeForCausalLM:
-    return Qwen3MoeForCausalLM(resolve_config(flavor, FLAVORS, "qwen3_moe", Qwen3MoeConfig, **overrides), kernels)

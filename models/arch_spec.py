@@ -1,0 +1,63 @@
+"""ArchitectureSpec: the one typed description of an architecture that both engines read.
+
+Each model folder's spec.py (models/<name>/spec.py) exports one; titan_rl.registry
+collects them. TorchTitan's side builds a ModelSpec from it (titan_rl/titan/spec.py),
+vLLM's side registers `vllm_class` under `vllm_architecture` (titan_rl/vllm/plugin.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from titan_rl.parallel.plan import TPPlan
+
+
+def flavor_config(flavors: dict, flavor: str, arch: str):
+    """The config of flavor `flavor`; an unknown one is refused naming the allowed ones and
+    the nearest."""
+    if flavor not in flavors:
+        near = difflib.get_close_matches(flavor, list(flavors), n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"model.flavor = {flavor!r} is unknown for {arch}; allowed: {sorted(flavors)}{hint}")
+    return flavors[flavor]
+
+
+@dataclass
+class ArchitectureSpec:
+    name: str                                   # e.g. "qwen3"
+    model_class: type                           # the architecture's model (architecture_of finds it in an MRO)
+    build: Callable[..., torch.nn.Module]       # build(flavor_or_config, options=ModelOptions(), **overrides)
+    flavors: dict[str, Any]                     # flavor name -> model config
+    config_from_hf: Callable[[dict], Any]       # HF config.json dict -> model config
+    config_to_hf: Callable[[Any, str], dict]    # (model config, architecture name) -> config.json dict
+    vllm_architecture: str                      # the `architectures` entry vLLM resolves to our wrapper
+    hf_architecture: str                        # the stock HF/vLLM architecture with the same weights
+    # "module:Class" of the vLLM wrapper; the default serves any model built from qwen3's
+    # pieces. A model with recurrent state (hybrid linear attention) names its own.
+    vllm_class: str = "titan_rl.vllm.model:TitanForCausalLM"
+    # the decoder layer's TP plan (models/<name>/parallelize.py), or None: no tensor
+    # parallelism, for the reason in `no_tp_reason` (TP > 1 is refused with it)
+    tp_plan: TPPlan | None = None
+    no_tp_reason: str = ""
+    # Requests carry a running state besides the KV cache (linear attention): the engine
+    # needs vLLM's state cache, and prefix caching its "align" mode.
+    recurrent_state: bool = False
+    # A mixture of experts: a router picks experts per token (routes are recorded and can
+    # be replayed; the router's auxiliary loss is trained).
+    moe: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp_plan is not None and not isinstance(self.tp_plan, TPPlan):
+            raise ValueError(f"ArchitectureSpec {self.name!r}: tp_plan = {self.tp_plan!r}; "
+                             "allowed: a TPPlan (titan_rl.parallel.plan) or None (with no_tp_reason)")
+        if self.tp_plan is None and not self.no_tp_reason:
+            raise ValueError(f"ArchitectureSpec {self.name!r}: tp_plan = None needs no_tp_reason "
+                             "(the error TP > 1 gets)")
+
+    def flavor(self, name: str):
+        """The config of flavor `name` (refused by name when unknown)."""
+        return flavor_config(self.flavors, name, self.name)

@@ -1,0 +1,138 @@
+"""The layers every architecture is built from: Linear, RMSNorm, HeadRMSNorm.
+
+Each computes through `Ops` (models/ops.py), so a model written with them never looks at
+the kernel mode. `Linear` is also where a model meets the engine's weight handling: the
+engine prepares a weight once per load (`prepare_for_engine`) or holds it quantized
+(`load_quantized`); the trainer does neither and gets the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from titan_rl.kernels import gemm_weight
+from titan_rl.kernels.quant.recipes import QuantLayer
+from titan_rl.models.ops import Ops
+
+# (layer_index, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: the row-mixing op
+# each engine passes in (the trainer's dense causal attention, vLLM's paged one).
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x):
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of per-head vectors [..., H, D] by one weight shared by the heads (q_norm,
+    k_norm): Ops.head_rms_norm."""
+
+    def forward(self, x):
+        return self.ops.head_rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """nn.Linear's parameter layout (weight [out, in], no bias) over the kernel linear.
+    `kind`: "col" (output columns split under TP), "row" (reduction dim split) or
+    "plain"; see Ops.linear_for. `group`: the quantization layer group it belongs to
+    (None: never quantized); `recipe` is what Ops says that group runs."""
+
+    KINDS = ("plain", "col", "row")
+
+    def __init__(self, d_in: int, d_out: int, ops: Ops, kind: str = "plain", group: QuantLayer | None = None):
+        super().__init__()
+        if kind not in self.KINDS:
+            raise ValueError(f"Linear kind = {kind!r}; allowed: {self.KINDS}")
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.ops, self.kind, self.shape = ops, kind, (d_out, d_in)
+        self.recipe = ops.recipe_for(group)
+        self.quant_input = False
+        if self.recipe is not None:
+            from titan_rl.kernels.quant import check_linear_shape, quantizes_activations
+
+            check_linear_shape(self.recipe, d_out, d_in)
+            self.quant_input = quantizes_activations(self.recipe)
+        self.gemm_weight = None  # engine: `weight` prepared for the GEMM (prepare_for_engine)
+        self.qweight = None  # engine: the weight as payload + scales (load_quantized; `weight` is then None)
+
+    def operand_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input the GEMM sees: per-row fake-quantized when the recipe quantizes inputs."""
+        if not self.quant_input:
+            return x
+        from titan_rl.kernels.quant import fake_quantize
+
+        return fake_quantize(x, self.recipe, "activation")
+
+    def operand_weight(self) -> torch.Tensor:
+        """The weight the GEMM sees: the held payload dequantized (engine), the master
+        fake-quantized (trainer), or the weight itself (no recipe)."""
+        if self.qweight is not None:
+            return self.qweight.dense()
+        if self.recipe is None:
+            return self.weight
+        from titan_rl.kernels.quant import fake_quantize
+
+        return fake_quantize(self.weight, self.recipe, "weight")
+
+    def forward(self, x):
+        fn = self.ops.linear_for(self.kind)
+        if self.recipe is not None:
+            return fn(self.operand_input(x), self.operand_weight())
+        if self.gemm_weight is not None and fn is self.ops.linear:
+            return fn(x, self.gemm_weight)
+        return fn(x, self.weight)
+
+    # -- the engine's side -----------------------------------------------------------------
+    def prepare_for_engine(self) -> list[nn.Module]:
+        """Prepare the weight for the GEMM once per load (the trainer prepares it per call:
+        the same bits). Quantized weights are dequantized per call instead. Returns the
+        modules whose weights this covered."""
+        if self.recipe is None:
+            self.gemm_weight = gemm_weight(self.weight)
+        return [self]
+
+    def load_quantized(self, name: str, tensor, dtype: torch.dtype) -> None:
+        """Hold the weight as payload + scales (a kernels.quant.QuantizedWeight); the dense
+        parameter is dropped (the memory the recipe saves). A dense tensor is quantized
+        here, by the trainer's function."""
+        from titan_rl.kernels.quant import QuantizedWeight
+
+        if isinstance(tensor, torch.Tensor):
+            if tuple(tensor.shape) != self.shape:
+                raise ValueError(f"checkpoint key {name!r}: expected shape {self.shape}, found {tuple(tensor.shape)}")
+            tensor = QuantizedWeight.of(tensor.to(dtype), self.recipe)
+        if tensor.recipe != self.recipe or tensor.dtype != dtype:
+            raise ValueError(f"checkpoint key {name!r}: a {tensor.recipe} weight of {tensor.dtype}; this engine "
+                             f"runs {self.recipe} in {dtype}")
+        self.qweight = tensor
+        self.weight = None
+
+
+def fused_gemm_weight(mods: list[Linear]):
+    """One prepared weight for modules that read the same input (q/k/v, gate/up:
+    Ops.same_input), or None where they do not fuse (quantized, or TP pieces)."""
+    if mods[0].recipe is not None or not mods[0].ops.fuse_same_input or mods[0].ops.tp_leaves:
+        return None
+    return gemm_weight(torch.cat([m.weight for m in mods]).detach())
+
+
+def prepare_for_engine(model: nn.Module) -> None:
+    """Each module's engine preparation, once per weight load, outermost first: a module
+    that prepares its children's weights itself (Attention's packed q/k/v) covers them.
+    TP pieces (tp_leaves > 0) slice their weights per call: nothing is prepared. The LM
+    head is not prepared here: the engine keeps its own fp32 copy."""
+    if model.ops.tp_leaves:
+        return
+    done = {id(model.lm_head)}
+    for m in model.modules():
+        if m is not model and id(m) not in done and hasattr(m, "prepare_for_engine"):
+            done.update(id(c) for c in m.prepare_for_engine())

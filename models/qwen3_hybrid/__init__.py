@@ -1,0 +1,9 @@
+"""The GDN hybrid: config.py, model.py (GDN layers + qwen3 attention), parallelize.py,
+spec.py; docs/gdn.md explains the layer."""
+
+from titan_rl.models.qwen3_hybrid.config import FLAVORS, Qwen3HybridConfig
+from titan_rl.models.qwen3_hybrid.model import FreshState, GatedDeltaNet, LinearState, Qwen3HybridForCausalLM
+from titan_rl.models.qwen3_hybrid.spec import SPEC, build
+
+__all__ = ["FLAVORS", "SPEC", "FreshState", "GatedDeltaNet", "LinearState", "Qwen3HybridConfig",
+           "Qwen3HybridForCausalLM", "build"]

@@ -1,0 +1,249 @@
+"""The batch plan: how one step's global batch is cut into pieces, run and reduced.
+
+Two plans implement one interface:
+
+  * `Collective`: each data-parallel rank runs its share as one piece and FSDP2's own
+    reduce-scatter sums the ranks' gradients; statistics are the ranks' means. Bits
+    depend on the layout.
+  * `LeafTree` (parallelism.deterministic_reduction, exact mode's default): the global batch
+    is cut into G equal gradient leaves (a power of two, a function of the config alone),
+    each rank runs its G/D consecutive leaves, padded to the global batch's width, and
+    titan_rl.titan.leaf_reduction adds the leaves' gradients in one fixed tree over leaves
+    and ranks; statistics are computed on the gathered global batch. Every layout then
+    gives the same bits (docs/torchtitan.md, "Layout invariance").
+
+The rules of the switch live here too, once: `uses_leaf_tree`, `leaf_count` (auto: at most
+AUTO_MAX_LEAVES) and `check_config` (called when the config is read), `check_layout` (when
+the world size is known).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan_rl.algorithms import apply_corrections
+from titan_rl.errors import ConfigError
+from titan_rl.kernels import tree_sum
+from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, logprob_mismatch
+from titan_rl.rl.ranks import Ranks
+
+# Each leaf is one forward + backward: 2 covers data-parallel degrees 1 and 2 at little
+# cost (docs/torchtitan.md has the timings); a run meant to move to more ranks sets
+# parallelism.gradient_leaves to that degree or more.
+AUTO_MAX_LEAVES = 2
+
+
+# -- the rules -----------------------------------------------------------------------------
+
+def uses_leaf_tree(cfg) -> bool:
+    """parallelism.deterministic_reduction, resolved: unset means on in exact mode."""
+    on = cfg.parallelism.deterministic_reduction
+    return cfg.model.kernels == "exact" if on is None else on
+
+
+def _global_batches(cfg) -> list[tuple[str, int]]:
+    a = cfg.algorithm
+    return [("prompts_per_step x group_size", a.prompts_per_step * a.group_size)] + (
+        [("sft_batch", a.sft_batch)] if a.sft_steps > 0 else [])
+
+
+def leaf_count(cfg) -> int:
+    """parallelism.gradient_leaves, resolved: 0 (auto) is the largest power of two up to
+    AUTO_MAX_LEAVES that divides every global batch of the run (a function of the config
+    alone, so the same on every layout)."""
+    if cfg.parallelism.gradient_leaves:
+        return cfg.parallelism.gradient_leaves
+    n = AUTO_MAX_LEAVES
+    while any(size % n for _, size in _global_batches(cfg)):
+        n //= 2
+    return n
+
+
+def check_config(cfg) -> None:
+    """The switch's settings, refused by key when they cannot be honoured."""
+    p = cfg.parallelism
+    if p.deterministic_reduction and cfg.model.kernels == "stock":
+        raise ConfigError("parallelism.deterministic_reduction = true cannot be honoured with model.kernels = 'stock': "
+                          "the stock engine's rollouts depend on the batch composition, so the global batch differs "
+                          "by layout; use model.kernels = 'exact', or leave the key unset")
+    if not uses_leaf_tree(cfg):
+        return
+    leaves = p.gradient_leaves
+    if leaves < 0 or leaves & (leaves - 1):
+        raise ConfigError(f"parallelism.gradient_leaves = {leaves}: must be 0 (auto) or a power of two")
+    if not leaves:
+        return
+    for what, n in _global_batches(cfg):
+        if n % leaves:
+            raise ConfigError(f"parallelism.gradient_leaves = {leaves} must divide algorithm.{what} = {n} "
+                              "(the global batch is cut into equal leaves)")
+    if p.data_parallel_replicate_degree > 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: "
+                          "deterministic_reduction covers FSDP only; use 1, or deterministic_reduction = false")
+
+
+def check_layout(cfg, dp: int, world: int) -> None:
+    """Every data-parallel rank owns an equal run of leaves."""
+    leaves = leaf_count(cfg)
+    if uses_leaf_tree(cfg) and leaves % dp:
+        tp = cfg.parallelism.tensor_parallel_degree
+        what = "" if cfg.parallelism.gradient_leaves else " (0 = auto: the largest power of two up to 2 dividing the batches)"
+        raise ConfigError(f"parallelism.gradient_leaves = {leaves}{what} must be divisible by the data-parallel degree "
+                          f"{dp} (WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): each rank owns an "
+                          f"equal run of leaves; set parallelism.gradient_leaves to a power of two >= {dp} that divides "
+                          "the batches, or parallelism.deterministic_reduction = false")
+
+
+def gradient_leaves(total: int, n_leaves: int, dp_degree: int, dp_rank: int) -> list[range]:
+    """The gradient leaves data-parallel rank `dp_rank` of `dp_degree` owns, as global
+    indices of the `total` items: the global batch is cut into `n_leaves` equal, contiguous
+    leaves and the rank takes n_leaves / dp_degree consecutive ones, a whole aligned subtree
+    of the fixed reduction tree."""
+    if n_leaves < 1 or n_leaves & (n_leaves - 1):
+        raise ValueError(f"{n_leaves} gradient leaves: must be a power of two")
+    if total % n_leaves or n_leaves % dp_degree:
+        raise ValueError(f"{total} items do not cut into {n_leaves} equal gradient leaves shared by "
+                         f"{dp_degree} data-parallel ranks")
+    size, per_rank = total // n_leaves, n_leaves // dp_degree
+    first = dp_rank * per_rank
+    return [range(j * size, (j + 1) * size) for j in range(first, first + per_rank)]
+
+
+def plan_for(cfg, model: torch.nn.Module, ranks: Ranks) -> "BatchPlan":
+    if uses_leaf_tree(cfg):
+        return LeafTree(ranks, model, leaf_count(cfg))
+    return Collective(ranks)
+
+
+# -- the plans -------------------------------------------------------------------------------
+
+class BatchPlan:
+    """The interface: `pieces` cuts a rank's share, `backward` runs one piece's, the rest
+    reduce the step's values and statistics over the pieces and ranks."""
+
+    reduction: str  # the contract's gradient_leaves entry
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+
+    def pieces(self, total: int, start: int) -> tuple[list[range], int]:
+        """The pieces of this rank's share (items [start, start + share) of `total`), as local
+        rows, each one forward and backward; and how many pieces the whole step has."""
+        raise NotImplementedError
+
+    def widen(self, batch: torch.Tensor, pad: int) -> torch.Tensor:
+        """The rank's batch [B, L] as the pieces run it."""
+        return batch
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """One piece's backward; `last`: this rank's last piece of the update."""
+        loss.backward()
+
+    def step_sum(self, values: list[torch.Tensor]) -> float:
+        """The pieces' values summed over the step (the loss)."""
+        raise NotImplementedError
+
+    def piece_mean(self, values: list[torch.Tensor]) -> float:
+        """The mean of a per-piece statistic over the step (the MoE auxiliary loss)."""
+        raise NotImplementedError
+
+    def mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
+        """titan_rl.metrics.logprob_mismatch's step statistics of the step's tokens."""
+        raise NotImplementedError
+
+    def expert_disagreement(self, engine_routes: torch.Tensor, own: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def correct(self, pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, corrections
+                ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """titan_rl.algorithms.apply_corrections for this rank's rows: (weights, mask, stats)."""
+        raise NotImplementedError
+
+    def batch_stats(self, rewards: torch.Tensor, tokens: int, rows: int, loss_mask: torch.Tensor,
+                    pieces: list[tuple[float, int]]) -> dict:
+        """reward_mean, response_length and clip_fraction of the step; `pieces`: the last
+        update's (clip_fraction, valid tokens) per piece."""
+        raise NotImplementedError
+
+
+class Collective(BatchPlan):
+    reduction = "collective"
+
+    def pieces(self, total, start):
+        return [range(0, total // self.ranks.dp_degree)], self.ranks.dp_degree
+
+    def step_sum(self, values):
+        return self.ranks.reduce(float(sum(values)), "sum", over_dp=True)
+
+    def piece_mean(self, values):
+        return self.ranks.reduce(float(values[-1]), "mean")
+
+    def mismatch(self, pi, mu):
+        m = logprob_mismatch(pi, mu)
+        return {k: self.ranks.reduce(m[k], how) for k, how in STEP_MISMATCH.items()}
+
+    def expert_disagreement(self, engine_routes, own):
+        return self.ranks.reduce(expert_disagreement(engine_routes, own), "mean")
+
+    def correct(self, pi_old, mu, mask, corrections):
+        weights, new_mask, stats = apply_corrections(pi_old, mu, mask, corrections)
+        return weights, new_mask, {k: self.ranks.reduce(v, "mean") for k, v in stats.items()}
+
+    def batch_stats(self, rewards, tokens, rows, loss_mask, pieces):
+        r = self.ranks
+        return {"reward_mean": r.reduce(float(rewards.mean()), "mean"),
+                "response_length": r.reduce(tokens / rows, "mean"),
+                "clip_fraction": r.reduce(pieces[-1][0], "mean")}
+
+
+class LeafTree(BatchPlan):
+    def __init__(self, ranks: Ranks, model: torch.nn.Module, n_leaves: int):
+        from titan_rl.titan import leaf_reduction
+
+        super().__init__(ranks)
+        self.n_leaves = n_leaves
+        self.reduction = f"{n_leaves} leaves, fixed tree"
+        self.switch = leaf_reduction.install(model)
+
+    def pieces(self, total, start):
+        r = self.ranks
+        own = gradient_leaves(total, self.n_leaves, r.dp_degree, r.dp_rank)
+        return [range(leaf.start - start, leaf.stop - start) for leaf in own], self.n_leaves
+
+    def widen(self, batch, pad):
+        """Right-padded to the global batch's longest row, so every leaf has the same shape on
+        every layout (a row's forward does not depend on padding after it)."""
+        width = int(self.ranks.reduce(float(batch.shape[1]), "max", over_dp=True))
+        return torch.nn.functional.pad(batch, (0, width - batch.shape[1]), value=pad)
+
+    def backward(self, loss, last):
+        self.switch.last_leaf = last
+        loss.backward()
+
+    def step_sum(self, values):
+        return float(tree_sum(self.ranks.gather_dp(torch.stack(values))))
+
+    def piece_mean(self, values):
+        return self.step_sum(values) / self.n_leaves
+
+    def mismatch(self, pi, mu):
+        m = logprob_mismatch(self.ranks.gather_dp(pi), self.ranks.gather_dp(mu))
+        return {k: m[k] for k in STEP_MISMATCH}
+
+    def expert_disagreement(self, engine_routes, own):
+        return expert_disagreement(self.ranks.gather_dp(engine_routes), self.ranks.gather_dp(own))
+
+    def correct(self, pi_old, mu, mask, corrections):
+        """On the global batch (the same masks and fractions on every layout); this rank keeps its rows."""
+        g = self.ranks.gather_dp
+        rows = slice(self.ranks.dp_rank * pi_old.shape[0], (self.ranks.dp_rank + 1) * pi_old.shape[0])
+        weights, new_mask, stats = apply_corrections(g(pi_old), g(mu), g(mask), corrections)
+        return weights[rows], new_mask[rows], stats
+
+    def batch_stats(self, rewards, tokens, rows, loss_mask, pieces):
+        r = self.ranks
+        valid = r.reduce(float(loss_mask.sum()), "sum", over_dp=True)
+        clipped = sum(round(fraction * n) if n else 0 for fraction, n in pieces)
+        return {"reward_mean": float(r.gather_dp(rewards).mean()),
+                "response_length": r.reduce(tokens, "sum", over_dp=True) / (rows * r.dp_degree),
+                "clip_fraction": r.reduce(clipped, "sum", over_dp=True) / max(valid, 1.0)}

@@ -1,0 +1,157 @@
+"""The trainer's link to its rollout engine: start it, sample from it, sync weights into it,
+and prove after each of those that it computes what the trainer computes.
+
+`EngineLink` is the interface the RL step uses; `ColocatedEngine` is the in-process vLLM
+engine each trainer rank builds (TP 1, generation and training alternate). A second
+implementation (engines as their own processes) plugs in behind the same four calls:
+`sample`, `sync`, `contract_metrics`, `resume`.
+
+What a link proves, each time: the execution contracts of both sides agree
+(titan_rl.contract; before the first rollout and after every sync), and after a sync the
+weights the engine multiplies by have the checksum of the ones the trainer's forward uses
+(quantized linears: the trainer's fake-quantized masters against the engine's dequantized
+payloads, titan_rl.quant_weights). Any refusal stops every rank together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from titan_rl import contract
+from titan_rl.checkpoint import checkpoint_fingerprint
+from titan_rl.dtypes import DTYPES
+from titan_rl.rl.ranks import Ranks
+from titan_rl.rollout import Rollout
+from titan_rl.run_dir import engine_folder
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+class EngineLink:
+    """The interface: a rollout from requests, a weight sync, the contract's metrics."""
+
+    def sample(self, requests: list[dict], params: list, *, kept_sets: bool, routes: bool
+               ) -> tuple[Rollout, float]:
+        """(the Rollout record of `requests`, seconds spent generating); `kept_sets` /
+        `routes`: also record the sampler's top-k/top-p kept sets / the MoE routes."""
+        raise NotImplementedError
+
+    def sync(self, step: int) -> bool | None:
+        """The trainer's current weights into the engine; the checksum's verdict (None
+        where the engine's parameters are not ours to compare: the stock engine)."""
+        raise NotImplementedError
+
+    def contract_metrics(self) -> dict:
+        raise NotImplementedError
+
+    def resume(self, kept_lines: list[dict]) -> None:
+        """A relaunch: the metrics lines kept from before it (the last contract hash logged)."""
+
+
+class ColocatedEngine(EngineLink):
+    """An in-process vLLM engine per trainer rank, built on the first rollout from a weight
+    folder of the trainer's model (the compute dtype its forward casts to)."""
+
+    def __init__(self, cfg, run_dir: str, model: torch.nn.Module, compute_dtype: torch.dtype, ranks: Ranks,
+                 gradient_reduction: str):
+        self.cfg, self.run_dir, self.model, self.ranks = cfg, run_dir, model, ranks
+        self.compute_dtype = compute_dtype
+        self.gradient_reduction = gradient_reduction
+        self.llm = None
+        # (trainer side, engine side, entries allowed to differ) of the last contract check,
+        # and the last contract hash metrics.jsonl holds (its entries are written when it changes)
+        self._contract = None
+        self._logged_contract = None
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The trainer's weights, full (unsharded) and in the engine's dtype."""
+        dtype = DTYPES[self.cfg.model.dtype]
+        return {n: _full(p).detach().to(dtype).contiguous() for n, p in self.model.named_parameters()}
+
+    def _start(self) -> None:
+        from titan_rl.checkpoint import save_hf_folder
+        from titan_rl.vllm.engine import make_llm
+
+        m, r, a = self.cfg.model, self.cfg.rollout, self.cfg.algorithm
+        folder = engine_folder(self.run_dir, self.ranks.rank)
+        save_hf_folder(self.model, folder, dtype=DTYPES[m.dtype], arch=m.name, state_dict=self._state())
+        self.llm = make_llm(folder, arch=m.name, kernels=m.kernels, dtype=m.dtype, seed=self.cfg.training.seed,
+                            kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
+                            max_num_seqs=max(r.max_num_seqs, a.prompts_per_step // self.ranks.dp_degree * a.group_size),
+                            enable_prefix_caching=r.enable_prefix_caching, logprobs_mode="processed_logprobs",
+                            quantization=self.cfg.quantization.recipe)
+        self._check_contract("before the first rollout")
+
+    def sample(self, requests, params, *, kept_sets, routes):
+        if self.llm is None:
+            self._start()
+        t0 = time.perf_counter()
+        ks = rec = None
+        with contextlib.ExitStack() as stack:
+            if kept_sets:
+                from titan_rl.vllm.sampling import capture_kept_sets
+
+                ks = stack.enter_context(capture_kept_sets(self.llm))
+            if routes:
+                from titan_rl.vllm.routes import capture_routes
+
+                rec = stack.enter_context(capture_routes(self.llm))
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        # read after the captures closed: closing is where they report unattributed steps
+        return Rollout.from_vllm(outs, kept_sets=ks, routes=rec), dt
+
+    def sync(self, step):
+        from titan_rl.quant_weights import engine_weights, fake_quantized_state, quantized_state, weight_recipes
+        from titan_rl.vllm.engine import engine_model, update_weights
+
+        state = self._state()
+        recipes = weight_recipes(self.model)
+        update_weights(self.llm, quantized_state(state, recipes))
+        self._check_contract(f"after the weight sync of step {step}")
+        if self.cfg.model.kernels == "stock":
+            return None  # vLLM's fused qkv/gate_up parameters have other names
+        engine_state = {n: w for n, w in engine_weights(engine_model(self.llm)).items() if n in state}
+        same = checkpoint_fingerprint(fake_quantized_state(state, recipes)) == checkpoint_fingerprint(engine_state)
+        if not same:
+            raise RuntimeError("weight sync failed: engine and trainer weight checksums differ")
+        return same
+
+    def _check_contract(self, when: str) -> None:
+        """The execution contract of the trainer's model against the engine's, each computed
+        from what that side holds; all ranks stop together if one refuses."""
+        mine = contract.contract_of(self.model, dtype=self.compute_dtype, gradient_leaves=self.gradient_reduction)
+        engine = contract.engine_contract(self.llm)
+        error, differs = None, []
+        try:
+            differs = contract.check(mine, engine, when=when)
+        except contract.ContractMismatch as e:
+            error = e
+        if self.ranks.any(error is not None):
+            raise error or contract.ContractMismatch(
+                f"execution contract {when}: another rank's engine differs from its trainer (that rank names "
+                "the entries)")
+        self._contract = (mine, engine, differs)
+
+    def contract_metrics(self):
+        """The step line's contract: its hash on every RL line, its entries on the first and
+        whenever the hash changes; in stock mode also the engine's hash and the entries
+        that differ by design."""
+        mine, engine, differs = self._contract
+        m: dict = {"contract": mine.hash}
+        if differs:
+            m.update(contract_engine=engine.hash, contract_differs=differs)
+        if mine.hash != self._logged_contract:
+            m["contract_entries"] = mine.entries()
+            if differs:
+                m["contract_engine_entries"] = engine.entries()
+            self._logged_contract = mine.hash
+        return m
+
+    def resume(self, kept_lines):
+        self._logged_contract = next((m["contract"] for m in reversed(kept_lines) if "contract" in m), None)
