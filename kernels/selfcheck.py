@@ -7,8 +7,10 @@ asserts with torch.equal that a row's bits do not depend on how many rows share 
 call: linear over row counts 1, 2, 63, 64, 65, 200 and K up to >= 1024 (odd K and N too),
 the fp32 LM-head GEMM, rms_norm, log_softmax, silu_mul at widths that are not multiples of
 16, RoPE, attention_dense (prefix vs full, one sequence vs a batch) and attention_paged
-(decode / chunked prefill vs dense). Any mismatch raises
-PlatformNotInvariant naming the op, shape, dtype and thread count. There is deliberately
+(decode / chunked prefill vs dense); then that each op's output is the same at 1, 2 and
+the current torch thread count (`threads_compared`), so the thread count is not a
+bit-relevant choice. Any mismatch raises PlatformNotInvariant naming the op, shape, dtype
+and thread count. There is deliberately
 no environment-variable escape hatch: exact mode refuses; the caller may choose
 kernels='stock' knowingly instead.
 
@@ -72,13 +74,15 @@ def platform_choices(device: torch.device | str = "cpu") -> dict:
                 "linear_tiles": f"{mm.ROW_TILE}x{mm.BLOCK_N}x{mm.BLOCK_K}, no split-K, no autotune",
                 "attention": f"one kernel, KV blocks of {attn.BLOCK} at absolute positions, row tiles of "
                              f"{attn.BLOCK_R}, block table read in the kernel",
-                "fp_fusion": False, "torch_threads": torch.get_num_threads()}
+                "fp_fusion": False}
     from titan_rl.kernels.matmul import torch_impl as mm
 
     return {"backend": backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM,
             "bf16_gemm": mm.BF16_GEMM, "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
             "attention": "compiled, fixed order per row (kernels/csrc/paged_attention.cpp)",
-            "elementwise": "compiled silu_mul; RoPE from a chunked table", "torch_threads": torch.get_num_threads()}
+            "elementwise": "compiled silu_mul; RoPE from a chunked table",
+            # not the thread count itself: the self-check proves the outputs equal at 1, 2 and the current count
+            "threads": "not bit-relevant (the self-check compares 1, 2 and the current count)"}
 
 
 class _Probe:
@@ -182,6 +186,58 @@ def _check_attention(p, ops, dtype, quick, D):
                        f"sequence {s} positions [{a}, {b}) over the paged cache differ from attention_dense", got, full[s, a:b])
 
 
+def threads_compared() -> list[int]:
+    """The torch thread counts the probe compares: 1, 2 and the current one."""
+    return sorted({1, 2, torch.get_num_threads()})
+
+
+def _set_threads(n: int) -> None:
+    # torch._C's setter (torch.set_num_threads is this function): vLLM's CPU worker replaces
+    # torch.set_num_threads with a no-op in its process, which would make the comparison
+    # compare one thread count with itself.
+    torch._C.set_num_threads(n)
+    if torch.get_num_threads() != n:
+        raise RuntimeError(f"the self-check could not set torch's thread count to {n} (it stays "
+                           f"{torch.get_num_threads()})")
+
+
+def _outputs(ops, dtype, head_dim, device) -> list[tuple[str, torch.Tensor]]:
+    """Each probed op on fixed inputs (the same at every call): what the thread counts must agree on."""
+    p = _Probe(dtype, device)
+    out = []
+    for K, N in ((256, 384), (1024, 256), (200, 96), (33, 8), (3072, 128)):
+        out.append((f"linear [200, {K}] x [{N}, {K}]^T", ops["linear"](p.randn(200, K), p.randn(N, K, scale=K**-0.5))))
+    w = p.randn(2000, 1024, dtype=torch.float32, scale=1024**-0.5)
+    out.append(("lm_head_logits [200, 1024] x [2000, 1024]^T", ops["lm_head_logits"](p.randn(200, 1024), w)))
+    out.append(("log_softmax_fp32 [200, 32000]", ops["log_softmax_fp32"](p.randn(200, 32000, dtype=torch.float32,
+                                                                                    scale=4.0))))
+    out.append(("rms_norm [200, 1024]", ops["rms_norm"](p.randn(200, 1024), p.randn(1024, scale=0.1) + 1, 1e-6)))
+    x = p.randn(200, 2000, scale=3.0)
+    out.append(("silu_mul [200, 1000]", ops["silu_mul"](x[:, :1000], x[:, 1000:])))
+    pos = torch.randint(0, 4096, (200,), generator=p.gen).to(p.device)
+    out.append((f"rope [200, 3, {head_dim}]", ops["rope"](p.randn(200, 3, head_dim), pos, 1e6)))
+    q, k, v = p.randn(3, 100, 4, head_dim), p.randn(3, 100, 2, head_dim), p.randn(3, 100, 2, head_dim)
+    out.append((f"attention_dense q [3, 100, 4, {head_dim}]", ops["attention_dense"](q, k, v, head_dim**-0.5)))
+    return out
+
+
+def _check_threads(ops, dtype, head_dim, device) -> None:
+    own = torch.get_num_threads()
+    base = _outputs(ops, dtype, head_dim, device)
+    try:
+        for n in threads_compared():
+            if n == own:
+                continue
+            _set_threads(n)
+            for (what, want), (_, got) in zip(base, _outputs(ops, dtype, head_dim, device)):
+                if not torch.equal(got, want):
+                    _Probe(dtype, device).fail(what.split(" ")[0], what, dtype,
+                                               f"the same inputs give other bits at {n} torch threads than at {own}",
+                                               got, want)
+    finally:
+        _set_threads(own)
+
+
 def check_platform(dtype: torch.dtype = torch.bfloat16, quick: bool = True, *, head_dim: int = 128,
                    ops: dict | None = None, device: torch.device | str = "cpu") -> None:
     """Raise PlatformNotInvariant unless exact mode's kernels are batch-invariant here for
@@ -203,6 +259,8 @@ def check_platform(dtype: torch.dtype = torch.bfloat16, quick: bool = True, *, h
     with torch.no_grad():
         try:
             _check(checked, dtype, quick, head_dim, device)
+            if torch.device(device).type == "cpu":  # GPU kernels do not use torch's CPU threads
+                _check_threads(checked, dtype, head_dim, device)
         except PlatformNotInvariant as e:
             if ops is None:
                 _CACHE[key] = e

@@ -113,7 +113,9 @@ class Linear(nn.Module):
         if tensor.recipe != self.recipe or tensor.dtype != dtype:
             raise ValueError(f"checkpoint key {name!r}: a {tensor.recipe} weight of {tensor.dtype}; this engine "
                              f"runs {self.recipe} in {dtype}")
-        self.qweight = tensor
+        # the engine's own copy: what it holds is never the sender's tensor
+        self.qweight = QuantizedWeight(tensor.recipe, tensor.payload.clone(), tuple(s.clone() for s in tensor.scales),
+                                       tensor.dtype)
         self.weight = None
 
 

@@ -128,26 +128,40 @@ def run_fsdp(res: dict) -> None:
     with torch.no_grad():
         res["fsdp_bf16_forward_equal"] = torch.equal(mb(tok), ref_bf16(tok))
 
-    # 4. one training step on gloo: rank r trains on row r; loss normalised by the global
-    #    token count and FSDP gradient divide factor 1.0 (torchtitan's convention), so the
-    #    summed gradient equals the single-process mean gradient of the whole batch.
+    # 4. one training step on gloo: rank r trains on its chunk of rows; loss normalised by the
+    #    global token count, FSDP gradient divide factor 1.0 (torchtitan's convention) and the
+    #    leaf-tree reduction (titan_rl.titan.leaf_reduction: a chunk is a leaf), so the
+    #    gradient is the one process's tree over the same chunks, bit for bit.
+    from titan_rl.kernels import tree_sum
+    from titan_rl.titan import leaf_reduction
+
+    leaf_reduction.install(m)
     n_tok = tok[:, 1:].numel()
-    rows = tok.chunk(world)[rank]
+    chunks = tok.chunk(world)
+    rows = chunks[rank]
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
     loss = ce_loss_sum(m(rows), rows) / n_tok
     loss.backward()
     opt.step()
     opt.zero_grad()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    ref_loss = ce_loss_sum(ref(tok), tok) / n_tok
-    ref_loss.backward()
-    ref_opt.step()
+    leaf_grads = []
+    for c in chunks:
+        (ce_loss_sum(ref(c), c) / n_tok).backward()
+        leaf_grads.append([p.grad.clone() for p in ref.parameters()])
+        ref.zero_grad()
+    for p, *gs in zip(ref.parameters(), *leaf_grads):
+        p.grad = tree_sum(torch.stack(gs))
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    with torch.no_grad():
+        ref_loss = ce_loss_sum(build()(tok), tok) / n_tok
+    res["fsdp_step_params_equal"] = all(torch.equal(full(p), q) for p, q in zip(m.parameters(), ref.parameters()))
     step_diff = max(maxdiff(full(p), q) for p, q in zip(m.parameters(), ref.parameters()))
     res["fsdp_step_param_maxdiff"] = step_diff
     moved = max(maxdiff(full(p), q) for p, q in zip(m.parameters(), build().parameters()))
     res["fsdp_step_param_moved"] = moved
     with torch.no_grad():
         after, ref_after = m(tok), ref(tok)
+    res["fsdp_after_step_logits_equal"] = torch.equal(after, ref_after)
     res["fsdp_after_step_logits_maxdiff"] = maxdiff(after, ref_after)
     res["loss_before"] = ref_loss.item()
     with torch.no_grad():
@@ -452,6 +466,9 @@ def det_batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows * (torch.arange(rows.shape[1])[None, :] < lens[:, None]), mask
 
 
+CLIP_SCALES: list[float] = []  # every det_train step's clipping scale (the tests assert it clipped)
+
+
 def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=None, tp_mesh=None,
               tp_leaves: int = 0) -> dict:
     """DET_STEPS steps of masked CE + MoE aux loss, global-norm clipping and AdamW on the
@@ -496,6 +513,7 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
             loss.backward()
         norm = leaf_reduction.grad_norm(m.parameters())
         scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        CLIP_SCALES.append(float(scale))
         for p in m.parameters():
             p.grad.mul_(scale.to(p.grad.dtype))
         opt.step()
@@ -521,6 +539,7 @@ def run_det_fsdp(res: dict) -> None:
             res[f"{key}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
             res[f"{key}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
             res[f"{key}_moved"] = max(maxdiff(wide[n], init[n]) for n in wide)
+    res["det_min_clip_scale"] = min(CLIP_SCALES)
 
 
 DET_TP_LEAVES = 8
@@ -544,6 +563,7 @@ def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe",
         res[f"dettp_{tag}_equal"] = all(torch.equal(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_maxdiff"] = max(maxdiff(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_differ"] = sorted(n for n in one if not torch.equal(tp[n], one[n]))[:8]
+    res["dettp_min_clip_scale"] = min(CLIP_SCALES)
 
 
 # -- torchtitan's Trainer end to end (synthetic tokenizer and data: no downloads) ---------

@@ -9,6 +9,7 @@ import torch  # noqa: E402
 
 
 from _seeds import draw_seed, sweep_size  # noqa: E402
+from _threads import threads as thread_count  # noqa: E402
 
 
 @pytest.fixture
@@ -37,11 +38,10 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
 def threads(request):
-    """Run the test at torch thread counts 1 and 2 (invariance must hold at both)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
+    """Run the test at torch thread counts 1 and 2 (invariance must hold at both), set for
+    real (tests/_threads.py)."""
+    with thread_count(request.param):
+        yield request.param
 
 
 # TITAN_RL_TOLERANCE_REPORT=FILE (with a TITAN_RL_SEEDS sweep): every assert_close records

@@ -50,7 +50,7 @@ def test_entries_name_what_the_model_computes_with(base):
     assert e["op.linear"] == "titan_rl.kernels.matmul.torch_impl.linear"
     assert e["op.attention"] == "titan_rl.kernels.attention.torch_impl"
     assert e["op.fuse_same_input"] is True
-    assert e["selfcheck"] == "passed" and e["platform.torch_threads"] == torch.get_num_threads()
+    assert e["selfcheck"] == "passed" and "torch_threads" not in e["platform.threads"]
     assert e["gradient_leaves"] == "none" and e["quantization"] == "none"
     assert e["version.torch"] == torch.__version__
     assert all(e[f"version.{p}"] for p in contract.PACKAGES)
@@ -101,15 +101,22 @@ def test_tp_leaves_is_refused_by_name(base):
     assert "tp_leaves (trainer 0, engine 4)" in _refused(base, engine)
 
 
-def test_thread_count_is_refused_by_name(base):
-    old = torch.get_num_threads()
-    torch.set_num_threads(1 if old != 1 else 2)
-    try:
-        engine = contract_of(_model())
-    finally:
-        torch.set_num_threads(old)
-    assert diff(base, engine) == ["platform.torch_threads"]
-    assert "platform.torch_threads" in _refused(base, engine)
+def test_thread_count_is_not_bit_relevant_and_the_self_check_proves_it(base):
+    """The contract no longer records the thread count: the self-check compares every probed
+    op at 1, 2 and the current count, and a kernel whose bits move with threads is refused."""
+    from titan_rl.kernels import linear, selfcheck
+
+    from _threads import threads
+
+    with threads(1 if torch.get_num_threads() != 1 else 2):
+        other = contract_of(_model())
+    assert diff(base, other) == [] and other.hash == base.hash
+
+    def threaded_linear(x, w):  # row-invariant, but its bits depend on the thread count
+        return linear(x, w) * (1 + torch.get_num_threads() * 2.0**-20)
+
+    with pytest.raises(selfcheck.PlatformNotInvariant, match=r"other bits at \d torch threads than at"):
+        selfcheck.check_platform(torch.float32, ops={"linear": threaded_linear})
 
 
 @pytest.mark.parametrize("which", ["kernels", "csrc"])

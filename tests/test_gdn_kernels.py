@@ -3,7 +3,6 @@ tolerance, and the exact path's invariance with torch.equal (never allclose) on 
 random inputs: prefill + decode at every split, chunked-prefill splits, batched == alone
 at any position, varlen == separate calls, 1 vs 2 threads."""
 
-import contextlib
 
 import pytest
 import torch
@@ -37,14 +36,7 @@ CONV_TOL = {torch.float32: dict(rtol=0.0, atol=3e-6), torch.bfloat16: dict(rtol=
 GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-4
 
 
-@contextlib.contextmanager
-def threads(n):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+from _threads import threads  # noqa: E402  (the real setter: tests/_threads.py)
 
 
 def _cu(lens):

@@ -189,3 +189,83 @@ def test_check_platform_checks_the_installed_linear_and_caches(monkeypatch):
     assert not calls
     monkeypatch.undo()
     selfcheck.clear_cache()
+
+
+# -- across thread counts: the same inputs, the same bits at 1, 2 (and 4 where the machine
+# has 4 cores); the layout tests and the contract rely on it (the thread count is not an entry)
+
+THREAD_COUNTS = [1, 2] + ([4] if (__import__("os").cpu_count() or 1) >= 4 else [])
+
+
+def _at_threads(fn):
+    """fn() at each of THREAD_COUNTS (the outputs, in order)."""
+    from _threads import threads
+
+    out = []
+    for n in THREAD_COUNTS:
+        with threads(n):
+            out.append(fn())
+    return out
+
+
+def _same(outs, what):
+    flat = [o if isinstance(o, (list, tuple)) else [o] for o in outs]
+    for n, got in zip(THREAD_COUNTS[1:], flat[1:]):
+        for i, (a, b) in enumerate(zip(flat[0], got)):
+            assert torch.equal(a, b), f"{what}: output {i} differs at {n} threads vs {THREAD_COUNTS[0]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernels_are_thread_count_invariant(dtype, rng):
+    from titan_rl.kernels.attention.torch_impl import attention_paged, kv_cache_write
+    from titan_rl.kernels.gdn import gdn_recurrent
+    from titan_rl.kernels.lm_head.torch_impl import lm_head_logits
+
+    x = torch.randn(300, 1000, generator=rng).to(dtype)
+    w = (torch.randn(200, 1000, generator=rng) * 1000**-0.5).to(dtype)
+    _same(_at_threads(lambda: linear(x, w)), "linear [300, 1000] x [200, 1000]^T")
+    wh = torch.randn(3000, 1000, generator=rng) * 1000**-0.5
+    _same(_at_threads(lambda: lm_head_logits(x, wh)), "lm_head_logits")
+    _same(_at_threads(lambda: log_softmax_fp32(4 * torch.randn(64, 151936, generator=torch.Generator().manual_seed(1)))),
+          "log_softmax_fp32 V=151936")
+    _same(_at_threads(lambda: rms_norm(x, torch.ones(1000, dtype=dtype), 1e-6)), "rms_norm")
+    _same(_at_threads(lambda: silu_mul(x[:, :500], x[:, 500:])), "silu_mul")
+    q, k, v = (torch.randn(3, 90, h, 64, generator=rng).to(dtype) for h in (4, 2, 2))
+    _same(_at_threads(lambda: attention_dense(q, k, v, 0.125)), "attention_dense")
+    pos = torch.randint(0, 3000, (300,), generator=rng)
+    _same(_at_threads(lambda: rope(x[:, :192].reshape(300, 3, 64), pos, 1e6)), "rope")
+
+    def paged():
+        kv = torch.zeros(8, 2, 2, 32, 64, dtype=dtype)
+        table = torch.arange(8).view(2, 4)
+        for s in range(2):
+            kv_cache_write(kv, k[s, :90], v[s, :90], table[s, torch.arange(90) // 32] * 32 + torch.arange(90) % 32)
+        qs = torch.cat([q[0, 89:90], q[1, 40:90]])
+        return attention_paged(qs, kv, torch.tensor([0, 1, 51]), torch.tensor([90, 90]), table, 0.125)
+
+    _same(_at_threads(paged), "attention_paged")
+    T, H, D = 40, 3, 32
+    g = torch.Generator().manual_seed(2)
+    args = (torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g),
+            -torch.rand(T, H, generator=g), torch.rand(T, H, generator=g), torch.tensor([0, 17, 40]), None)
+    _same(_at_threads(lambda: gdn_recurrent(*args, scale=D**-0.5)), "gdn_recurrent")
+
+
+@pytest.mark.parametrize("arch,flavor", [("qwen3", "debug"), ("qwen3_moe", "debug_moe"), ("qwen3_hybrid", "debug_hybrid")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_training_step_is_thread_count_invariant(arch, flavor, dtype, rng):
+    """The trainer's forward, every parameter gradient (backward GEMMs included) and the
+    clipping norm of one step, at each thread count: the same bits."""
+    from titan_rl.registry import get_architecture
+    from titan_rl.titan.leaf_reduction import grad_norm
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    tokens = torch.randint(0, 1000, (6, 57), generator=rng)
+
+    def step():
+        m = get_architecture(arch).build(flavor).init_weights(seed).to(dtype)
+        logits = m(tokens)
+        logits.float().log_softmax(-1)[..., 5].mean().backward()
+        return [logits.detach(), grad_norm(m.parameters()), *(p.grad for p in m.parameters())]
+
+    _same(_at_threads(step), f"{arch} {dtype} training step")

@@ -123,3 +123,32 @@ def test_stock_engine_refuses_a_recipe_vllm_cannot_run_online(tmp_path):
     with pytest.raises(ValueError, match=r"quantization = 'nvfp4' with kernels = 'stock': .*allowed: \['none', "
                                          r"'fp8_rowwise'\]"):
         make_llm(str(tmp_path), kernels="stock", quantization="nvfp4")
+
+
+@pytest.mark.parametrize("arch, flavor, recipe", [("qwen3_moe", "debug_moe", "mxfp8"),
+                                                  ("qwen3_hybrid", "debug_hybrid", "nvfp4")])
+def test_moe_and_hybrid_engines_hold_the_recipe_and_record_the_trainers_logprobs(tmp_path, arch, flavor, recipe,
+                                                                              seed, rng):
+    """The real engine (routed experts, GDN layers) on a quantized checkpoint: payload and
+    scales held, its log-probs the trainer's fake-quantized ones bit for bit, in a batch and
+    after a sync (tests/test_quant_cells.py has every recipe x architecture cell in one process)."""
+    from titan_rl.checkpoint import load_hf_folder, save_hf_folder
+    from titan_rl.registry import get_architecture
+
+    options = ModelOptions(quantization=Quantization(recipe))
+    model = get_architecture(arch).build(flavor, options).init_weights(seed % 2**31, 0.05)
+    save_hf_folder(model, tmp_path, dtype=torch.bfloat16, arch=arch)
+    trainer = load_hf_folder(tmp_path, dtype=torch.bfloat16, arch=arch).eval()
+    llm = make_llm(str(tmp_path), arch=arch, dtype="bfloat16", kv_cache_mib=64, max_model_len=256, max_num_seqs=4,
+                   enable_prefix_caching=False)
+    try:
+        held = [m for m in engine_model(llm).modules() if getattr(m, "qweight", None) is not None]
+        assert held and {m.qweight.recipe for m in held} == {recipe}
+        prompts = _prompts(rng, [23, 2, 61, 9])
+        _assert_equal(trainer, prompts, _gen(llm, prompts))
+        state = {k: v + 0.02 * torch.randn(v.shape, generator=rng).to(v.dtype) for k, v in trainer.state_dict().items()}
+        trainer.load_state_dict(state)
+        update_weights(llm, quantized_state(state, weight_recipes(trainer)))
+        _assert_equal(trainer, prompts, _gen(llm, prompts))
+    finally:
+        del llm

@@ -112,6 +112,7 @@ def test_elastic_resume_fsdp2_to_fsdp1_equals_uninterrupted(uninterrupted, tmp_p
     want = [_comparable(m) for m in _metrics(run_a)]
     fsdp2 = _metrics(run_b)
     assert [_comparable(m) for m in fsdp2] == want  # FSDP = 2 == one process, SFT and RL steps
+    assert any(m["grad_norm"] > 1.0 for m in want)  # clipping (training.max_norm = 1) was active
     shutil.rmtree(run_b / "checkpoint" / "step-6")  # the newest checkpoint is now step 4, written at FSDP = 2
     r = _train(run_b)  # the same run, one process
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -119,6 +120,66 @@ def test_elastic_resume_fsdp2_to_fsdp1_equals_uninterrupted(uninterrupted, tmp_p
     assert [m["step"] for m in resumed] == list(range(1, 7))
     assert resumed[5]["step_seconds"] != fsdp2[5]["step_seconds"]  # step 6 ran again
     assert [_comparable(m) for m in resumed] == want
+
+
+def test_a_thread_count_writes_the_same_metrics(uninterrupted, tmp_path):
+    """One process at 2 torch threads logs the 1-thread run's metrics (so, through
+    test_elastic_resume_fsdp2_to_fsdp1_equals_uninterrupted, torchrun's 2 ranks x 1 thread's):
+    every reduction of the step is thread-count invariant (kernels.fixed_sum, the self-check's
+    thread comparison), with gradient clipping active."""
+    run_a, _ = uninterrupted
+    run_b = tmp_path / "two_threads"
+    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_b), *SHORT]
+    r = subprocess.run(cmd, env=dict(ENV, OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want = [_comparable(m) for m in _metrics(run_a)]
+    assert [_comparable(m) for m in _metrics(run_b)] == want
+    assert any(m["grad_norm"] > 1.0 for m in want)  # clipping (training.max_norm = 1) was active
+
+
+def test_an_rl_run_stops_in_one_line_when_its_engine_is_built_otherwise(tmp_path):
+    """Through the real RL loop: the engine is built with another dtype than the trainer's
+    (make_llm patched in a driver script; the contract check is the real one)."""
+    script = tmp_path / "other_dtype.py"
+    script.write_text("import sys\n"
+                      "from titan_rl.vllm import engine\n"
+                      "real = engine.make_llm\n"
+                      "engine.make_llm = lambda folder, **kw: real(folder, **{**kw, 'dtype': 'bfloat16'})\n"
+                      "from titan_rl.train import main\n"
+                      "sys.exit(main(sys.argv[1:]))\n")
+    cmd = [sys.executable, str(script), "--run-dir", str(tmp_path / "run"), *SHORT, "--algorithm.sft_steps=0",
+           "--checkpoint.enable=false"]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "error: execution contract before the first rollout: trainer and engine differ in dtype (trainer 'float32', "
+        "engine 'bfloat16')"), r.stderr[-2000:]
+
+
+def test_ranks_that_compute_otherwise_are_refused_at_start(tmp_path):
+    """torchrun 2 ranks, rank 1 with another CPU kernel set (ATEN_CPU_CAPABILITY=default,
+    set before torch loads: a real difference, not a patched contract): the ranks' contracts
+    are compared at start and the run stops in one line naming the entry and the rank."""
+    script = tmp_path / "rank1_otherwise.py"
+    script.write_text("import os, sys\n"
+                      "if os.environ.get('LOCAL_RANK') == '1':\n"
+                      "    os.environ['ATEN_CPU_CAPABILITY'] = 'default'\n"
+                      "from titan_rl.train import main\n"
+                      "sys.exit(main(sys.argv[1:]))\n")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", str(script), "--run-dir",
+           str(tmp_path / "run"), *SHORT, "--checkpoint.enable=false"]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import torch
+
+    ours = torch.backends.cpu.get_cpu_capability()
+    want = (f"error: execution contract at start: the trainer ranks differ in platform.cpu_capability "
+            f"(rank 0 {ours!r}, rank 1 'DEFAULT')")
+    assert want in r.stderr, r.stderr[-3000:]
+    # one line per rank; the only traceback is torchrun's own report of the failed children
+    ours_in_tracebacks = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("File ") and "/titan_rl/" in ln]
+    assert not ours_in_tracebacks, r.stderr[-3000:]
 
 
 def test_config_errors():

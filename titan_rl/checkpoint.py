@@ -425,6 +425,14 @@ def load_hf_folder(
 # ---------------------------------------------------------------------------------------
 # fingerprint
 # ---------------------------------------------------------------------------------------
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 hex digest of one tensor's dtype, shape and raw bytes."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(json.dumps([dtype_name(t.dtype), list(t.shape)]).encode() + b"\0")
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def checkpoint_fingerprint(state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> str:
     """sha256 hex digest over (name, dtype, shape, raw bytes) of every tensor, in sorted
     name order. Equal digests mean bitwise-equal weights under equal names.

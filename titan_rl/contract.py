@@ -119,6 +119,29 @@ def check(trainer_side: Contract, engine_side: Contract, when: str = "") -> list
     return names
 
 
+def check_ranks(mine: Contract, world_group=None) -> None:
+    """Every trainer rank's contract must be the same (the layout is not an entry, so equal
+    ranks compute with equal choices): gathered from all ranks; a difference stops every
+    rank with one line naming each entry and the ranks whose value is not rank 0's."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(world_group) == 1:
+        return
+    every = [None] * dist.get_world_size(world_group)
+    dist.all_gather_object(every, mine.entries(), group=world_group)
+    first = every[0]
+    bad = {}
+    for rank, entries in enumerate(every[1:], start=1):
+        for name in sorted(first.keys() | entries.keys()):
+            if json.dumps(first.get(name)) != json.dumps(entries.get(name)):
+                bad.setdefault(name, []).append((rank, entries.get(name)))
+    if bad:
+        listed = "; ".join(f"{name} (rank 0 {first.get(name)!r}, " + ", ".join(f"rank {r} {v!r}" for r, v in others)
+                           + ")" for name, others in bad.items())
+        raise ContractMismatch(f"execution contract at start: the trainer ranks differ in {listed}. Ranks that "
+                               "compute with other choices would not train one model, so the run refuses to go on")
+
+
 # -- each side ----------------------------------------------------------------------------
 
 def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,

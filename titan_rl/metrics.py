@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from titan_rl.kernels.reduction import fixed_sum
+
 # The mismatch keys of an RL step's metrics line and how data-parallel ranks combine them.
 STEP_MISMATCH = {"bitwise_fraction": "mean", "max_abs_dlogp": "max", "mean_abs_dlogp": "mean", "k3_mean": "mean"}
 
@@ -18,12 +20,17 @@ def logprob_mismatch(pi: torch.Tensor, mu: torch.Tensor) -> dict[str, float | in
     k3 = torch.exp(d) - d - 1  # rho - log(rho) - 1 with rho = pi/mu
     return {
         "tokens": int(d.numel()),
-        "bitwise_fraction": float((d == 0).double().mean()),
+        "bitwise_fraction": _mean(d == 0),
         "max_abs_dlogp": float(d.abs().max()),
-        "mean_abs_dlogp": float(d.abs().mean()),
-        "k3_mean": float(k3.mean()),
+        "mean_abs_dlogp": _mean(d.abs()),
+        "k3_mean": _mean(k3),
         "k3_max": float(k3.max()),
     }
+
+
+def _mean(x: torch.Tensor) -> float:
+    """The mean in float64, summed in a fixed order (the same at any thread count)."""
+    return float(fixed_sum(x.double()) / x.numel())
 
 
 def full_vocab_mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float | int]:
@@ -33,7 +40,7 @@ def full_vocab_mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[
     return {
         "full_vocab_positions": sum(a.shape[0] for a, _ in pairs),
         "full_vocab_max_abs_dlogp": float(dd.max()),
-        "full_vocab_bitwise_fraction": float((dd == 0).double().mean()),
+        "full_vocab_bitwise_fraction": _mean(dd == 0),
     }
 
 
@@ -45,4 +52,4 @@ def expert_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
     hit = (a.long()[..., :, None] == b.long()[..., None, :]).any(-1)
-    return float(1.0 - hit.double().mean())
+    return 1.0 - _mean(hit)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_rl.kernels.reduction import fixed_sum
+
 __all__ = ["CorrectionConfig", "apply_corrections", "enabled", "warning_if_exact"]
 
 
@@ -217,7 +219,7 @@ def apply_corrections(
             new_mask &= ~band_out
 
         if _geo_on(cfg):
-            mean_log = log_ratio.sum(dim=1) / tokens_per_seq.clamp(min=1)
+            mean_log = fixed_sum(log_ratio, 1) / tokens_per_seq.clamp(min=1)
             geo = torch.exp(mean_log)
             rejected = _outside(geo, float(cfg.seq_geo_low), float(cfg.seq_geo_high))
             rejected &= has_tokens

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_rl.kernels.reduction import fixed_sum
+
 _SCALES = ("std", "none")
 _AGGS = ("token_mean", "seq_mean")
 
@@ -153,11 +155,12 @@ def policy_gradient_loss(
     tokens_per_seq = valid.sum(dim=1)
     n_tokens = int(tokens_per_seq.sum().item())
     denominator = max(loss_count(valid, cfg.agg) if count is None else count, 1)
+    # fixed-order sums (kernels.fixed_sum): the loss is the same number at any thread count
     if cfg.agg == "token_mean":
-        aggregated = objective.sum() / denominator
+        aggregated = fixed_sum(objective) / denominator
     else:  # "seq_mean"
-        seq_means = objective.sum(dim=1) / tokens_per_seq.clamp(min=1)
-        aggregated = seq_means.sum() / denominator
+        seq_means = fixed_sum(objective, 1) / tokens_per_seq.clamp(min=1)
+        aggregated = fixed_sum(seq_means) / denominator
     loss = -aggregated
 
     with torch.no_grad():
@@ -165,7 +168,7 @@ def policy_gradient_loss(
             r = ratio[valid].float()
             stats = {
                 "clip_fraction": (clipped_active & valid).sum().item() / n_tokens,
-                "ratio_mean": r.mean().item(),
+                "ratio_mean": (fixed_sum(r) / r.numel()).item(),
                 "ratio_max": r.max().item(),
                 "ratio_min": r.min().item(),
                 "log_ratio_abs_max": log_ratio[valid].abs().max().item(),

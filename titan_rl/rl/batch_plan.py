@@ -24,6 +24,7 @@ import torch
 from titan_rl.algorithms import apply_corrections
 from titan_rl.errors import ConfigError
 from titan_rl.kernels import tree_sum
+from titan_rl.kernels.reduction import fixed_sum
 from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, logprob_mismatch
 from titan_rl.rl.ranks import Ranks
 
@@ -244,6 +245,7 @@ class LeafTree(BatchPlan):
         r = self.ranks
         valid = r.reduce(float(loss_mask.sum()), "sum", over_dp=True)
         clipped = sum(round(fraction * n) if n else 0 for fraction, n in pieces)
-        return {"reward_mean": float(r.gather_dp(rewards).mean()),
+        every = r.gather_dp(rewards)
+        return {"reward_mean": float(fixed_sum(every) / every.numel()),
                 "response_length": r.reduce(tokens, "sum", over_dp=True) / (rows * r.dp_degree),
                 "clip_fraction": r.reduce(clipped, "sum", over_dp=True) / max(valid, 1.0)}

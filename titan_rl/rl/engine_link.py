@@ -21,8 +21,9 @@ import time
 import torch
 
 from titan_rl import contract
-from titan_rl.checkpoint import checkpoint_fingerprint
+from titan_rl.checkpoint import tensor_digest
 from titan_rl.dtypes import DTYPES
+from titan_rl.errors import RunStopped
 from titan_rl.rl.ranks import Ranks
 from titan_rl.rollout import Rollout
 from titan_rl.run_dir import engine_folder
@@ -107,20 +108,27 @@ class ColocatedEngine(EngineLink):
         return Rollout.from_vllm(outs, kept_sets=ks, routes=rec), dt
 
     def sync(self, step):
-        from titan_rl.quant_weights import engine_weights, fake_quantized_state, quantized_state, weight_recipes
+        from titan_rl.quant_weights import fake_quantized_state, quantized_state, weight_recipes
         from titan_rl.vllm.engine import engine_model, update_weights
 
         state = self._state()
         recipes = weight_recipes(self.model)
         update_weights(self.llm, quantized_state(state, recipes))
-        self._check_contract(f"after the weight sync of step {step}")
+        when = f"after the weight sync of step {step}"
+        self._check_contract(when)
         if self.cfg.model.kernels == "stock":
             return None  # vLLM's fused qkv/gate_up parameters have other names
-        engine_state = {n: w for n, w in engine_weights(engine_model(self.llm)).items() if n in state}
-        same = checkpoint_fingerprint(fake_quantized_state(state, recipes)) == checkpoint_fingerprint(engine_state)
-        if not same:
-            raise RuntimeError("weight sync failed: engine and trainer weight checksums differ")
-        return same
+        # Two sides, two code paths: the trainer's forward operands computed afresh from its
+        # masters (fake-quantized where a recipe applies), the engine's from what it holds.
+        mine = {n: tensor_digest(w) for n, w in fake_quantized_state(state, recipes).items()}
+        theirs = engine_model(self.llm).weight_digests()
+        differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
+        if self.ranks.any(bool(differ)):
+            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+            raise RunStopped(f"weights {when}: the engine holds other weights than the trainer's forward uses: "
+                             f"{shown or 'on another rank'} (sha256 of what each side multiplies by). The engine "
+                             "would sample from another policy, so the run stops")
+        return True
 
     def _check_contract(self, when: str) -> None:
         """The execution contract of the trainer's model against the engine's, each computed

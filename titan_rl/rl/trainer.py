@@ -27,9 +27,11 @@ from torchtitan.trainer import Trainer
 from titan_rl.algorithms import (
     PGLossConfig, enabled, group_advantages, loss_count, policy_gradient_loss, warning_if_exact,
 )
+from titan_rl import contract
 from titan_rl.dtypes import DTYPES
 from titan_rl.errors import RunStopped, UserError
 from titan_rl.kernels import log_softmax_fp32
+from titan_rl.kernels.reduction import fixed_sum
 from titan_rl.registry import get_architecture
 from titan_rl.rl.batch_plan import plan_for
 from titan_rl.rl.engine_link import ColocatedEngine
@@ -55,8 +57,9 @@ class RLTrainer(Trainer):
         # the TP ranks of one data-parallel replica take the same share of the global batch
         self.ranks = Ranks.of(self.parallel_dims)
         self.plan = plan_for(rl, self.model, self.ranks)
-        self.engine = ColocatedEngine(rl, run_dir, self.model, DTYPES[self.config.training.mixed_precision_param],
-                                      self.ranks, self.plan.reduction)
+        compute_dtype = DTYPES[self.config.training.mixed_precision_param]
+        contract.check_ranks(contract.contract_of(self.model, dtype=compute_dtype, gradient_leaves=self.plan.reduction))
+        self.engine = ColocatedEngine(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
         self.metrics = MetricsFile(run_dir, self.ranks.rank)
         self._resumed_checked = False
         self.corrections = rl.correction
@@ -110,7 +113,7 @@ class RLTrainer(Trainer):
         for j, rows in enumerate(pieces):
             logp = log_softmax_fp32(self.model(batch[rows.start:rows.stop]))
             logp = logp[:, :-1].gather(-1, batch[rows.start:rows.stop, 1:, None])[..., 0]
-            loss = -(logp * mask[rows.start:rows.stop]).sum() / tokens + self._aux_loss() / n_pieces
+            loss = -fixed_sum(logp * mask[rows.start:rows.stop]) / tokens + self._aux_loss() / n_pieces
             self.plan.backward(loss, last=j == len(pieces) - 1)
             losses.append(loss.detach())
         loss = self.plan.step_sum(losses)

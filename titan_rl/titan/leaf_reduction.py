@@ -40,6 +40,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from titan_rl.kernels import tree_sum
+from titan_rl.kernels.reduction import fixed_sum
 
 __all__ = ["LeafReduction", "TreeStack", "grad_norm", "install"]
 
@@ -137,13 +138,13 @@ def install(model: nn.Module) -> LeafReduction:
 
 
 def grad_norm(params) -> torch.Tensor:
-    """The global L2 norm of the parameters' gradients, the same bits on every layout: each
-    gradient is taken whole (full_tensor() of a sharded one: the same tensor whatever the
-    FSDP or TP degree), squared and summed in fp32 by one reduction over its full shape,
-    and the per-parameter sums are added in parameter order."""
+    """The global L2 norm of the parameters' gradients, the same bits on every layout and at
+    every thread count: each gradient is taken whole (full_tensor() of a sharded one: the
+    same tensor whatever the FSDP or TP degree), squared in fp32 and summed in a fixed order
+    (kernels.fixed_sum), and the per-parameter sums are added in parameter order."""
     total = torch.zeros((), dtype=torch.float32)
     for p in params:
         if p.grad is not None:
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            total = total + g.float().pow(2).sum()
+            g = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+            total = total + fixed_sum(g * g)
     return torch.sqrt(total)

@@ -127,6 +127,16 @@ class TitanForCausalLM(nn.Module):
             self._lm_head_fp32 = gemm_weight(self.lm_head.weight.detach().float())
         return lm_head_logits(hidden_states, self._lm_head_fp32)
 
+    def weight_digests(self) -> dict[str, str]:
+        """{parameter name: sha256 of the weight this engine's forward multiplies by}: its
+        parameters, and each held quantized weight dequantized from its own payload and
+        scales (titan_rl.quant_weights.engine_weights). The engine's side of the post-sync
+        check, computed from what the engine holds."""
+        from titan_rl.checkpoint import tensor_digest
+        from titan_rl.quant_weights import engine_weights
+
+        return {n: tensor_digest(w) for n, w in engine_weights(self).items()}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Strict: unknown names and wrong shapes raise, naming the key. Weights are the
         full (unsharded) tensors; under TP each rank keeps its slice."""
