@@ -20,9 +20,12 @@ without those instructions: docs/kernels.md).
 The engine prepares each weight once per load (`PackedWeight`); the
 trainer's weights change every step, so `linear` packs them per call (a copy of K*N
 values, small beside the M*K*N GEMM). Both go through the same reorder and GEMM, so
-both give the same bits. Only the forward must be invariant (it produces the log-probs
-both engines compare); `linear`'s backward is the ordinary full-size GEMMs (the fixed
-pieces below also fix their backward's shapes, for TP-invariant gradients).
+both give the same bits. The backward's two GEMMs (`grad_input`, `grad_weight`) go
+through the same GEMM too: torch.mm's own choice depends on the thread count (measured:
+fp32 grad @ W at M = 5..11 rows, bf16 grad^T @ x at M = 2048, 1 vs 2 threads), and a
+training step must give the same bits at any thread count (the layout tests and the
+contract compare ranks that may run different counts). The fixed pieces below also fix
+their backward's shapes, for TP-invariant gradients.
 """
 
 from __future__ import annotations
@@ -93,6 +96,25 @@ def _invariant_mm(x2: torch.Tensor, weight) -> torch.Tensor:
     return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
 
+def grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad [M, N] @ weight [N, K] -> [M, K] in grad's dtype: the GEMM of `linear` on the
+    transposed weight (rows padded the same way, so the bits depend on nothing but M)."""
+    return _invariant_mm(grad, weight.to(grad.dtype).t())
+
+
+def grad_weight(grad: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """grad [M, N]^T @ x2 [M, K] -> [N, K] in grad's dtype: the reduction over the M rows
+    as `linear`'s GEMM (x = grad^T, weight = x2^T). M is zero-padded to ROW_MULTIPLE
+    (oneDNN has no primitive for a reduction of 1; zero products leave every sum as is)."""
+    m = grad.shape[0]
+    pad = (-m) % ROW_MULTIPLE if m else ROW_MULTIPLE
+    g, x = grad.t(), x2.to(grad.dtype).t()
+    if pad:
+        g = torch.cat([g, g.new_zeros(g.shape[0], pad)], 1)
+        x = torch.cat([x, x.new_zeros(x.shape[0], pad)], 1)
+    return _invariant_mm(g.contiguous(), x)
+
+
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight):
@@ -103,8 +125,8 @@ class _InvariantLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
         grad = grad.to(x2.dtype)
-        gx = grad @ weight.to(x2.dtype) if ctx.needs_input_grad[0] else None
-        gw = (grad.t() @ x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gx = grad_input(grad, weight) if ctx.needs_input_grad[0] else None
+        gw = grad_weight(grad, x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw
 
 
@@ -207,10 +229,10 @@ class _ColumnBlocks(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             w = weight.to(x2.dtype)
-            sub = tree_sum(torch.stack([(g @ w[j * t:(j + 1) * t]).float() for j, g in enumerate(blocks)]))
+            sub = tree_sum(torch.stack([grad_input(g, w[j * t:(j + 1) * t]).float() for j, g in enumerate(blocks)]))
             gx = (sub if ctx.finish is None else ctx.finish(sub)).to(x2.dtype)
         if ctx.needs_input_grad[1]:
-            gw = torch.cat([g.t() @ x2 for g in blocks]).to(weight.dtype)
+            gw = torch.cat([grad_weight(g, x2) for g in blocks]).to(weight.dtype)
         return gx, gw, None, None
 
 
