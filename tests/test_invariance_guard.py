@@ -268,7 +268,7 @@ def test_linear_backward_is_thread_count_invariant(dtype, rng):
         gy = torch.randn(m, N, generator=rng).to(dtype)
         gy2 = torch.randn(m, 2 * N, generator=rng).to(dtype)
 
-        def grads():
+        def grads(x0=x0, gy=gy, gy2=gy2):
             x, w, wb = x0.clone().requires_grad_(), w0.clone().requires_grad_(), w2.clone().requires_grad_()
             gx, gw = torch.autograd.grad(linear(x, w), (x, w), gy)
             bx, bw = torch.autograd.grad(linear_n_blocks(x, wb, 2), (x, wb), gy2)
