@@ -36,6 +36,12 @@ class ArchitectureSpec:
     config_to_hf: Callable[[Any, str], dict]    # (model config, architecture name) -> config.json dict
     vllm_architecture: str                      # the `architectures` entry vLLM resolves to our wrapper
     hf_architecture: str                        # the stock HF/vLLM architecture with the same weights
+    # other `architectures` entries whose folders hold this model (a vision-language folder's
+    # text model: `checkpoint_key` maps its tensor names)
+    hf_aliases: tuple[str, ...] = ()
+    # an HF tensor name -> ours, or None: a tensor this architecture does not train (vision
+    # tower, multi-token prediction head), skipped by every loader and counted once
+    checkpoint_key: Callable[[str], str | None] | None = None
     # "module:Class" of the vLLM wrapper; the default serves any model built from qwen3's
     # pieces. A model with recurrent state (hybrid linear attention) names its own.
     vllm_class: str = "titan_rl.vllm.model:TitanForCausalLM"

@@ -23,13 +23,21 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Ops):
+    """Qwen3's RMSNorm: normalise in fp32, round to x's dtype, scale by the weight.
+    `offset=True`: Qwen3-Next / Qwen3.5's zero-centred form, normalised x times (1 + w) in
+    fp32 and rounded once (the kernel run on fp32 x with the fp32 weight 1 + w)."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.ops = eps, ops
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.ops, self.offset = eps, ops, offset
+
+    def operands(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, weight) as the kernel takes them (the output is cast back to x's dtype)."""
+        return (x.float(), 1.0 + weight.float()) if self.offset else (x, weight)
 
     def forward(self, x):
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(*self.operands(x, self.weight), self.eps).to(x.dtype)
 
 
 class HeadRMSNorm(RMSNorm):
@@ -37,7 +45,7 @@ class HeadRMSNorm(RMSNorm):
     k_norm): Ops.head_rms_norm."""
 
     def forward(self, x):
-        return self.ops.head_rms_norm(x, self.weight, self.eps)
+        return self.ops.head_rms_norm(*self.operands(x, self.weight), self.eps).to(x.dtype)
 
 
 class Linear(nn.Module):

@@ -48,8 +48,9 @@ class Ops:
     lm_head(hidden, weight_fp32) -> fp32 logits.
     head_rms_norm(x [..., H, D], weight [D], eps): the per-head RMSNorm (q_norm / k_norm,
     GDN's gated norm).
-    gdn_elementwise(fn, x): a transcendental of GDN's (silu, sigmoid, exp, softplus) whose
-    input size depends on the batch; gdn_l2norm(x) -> fp32 per-head L2 norm;
+    elementwise(fn, x): a transcendental (silu, sigmoid, exp, softplus: GDN's, the output
+    and shared-expert gates) of an input whose size depends on the batch, in fp32;
+    gdn_l2norm(x) -> fp32 per-head L2 norm;
     gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state)."""
 
     def __init__(self, options: ModelOptions):
@@ -74,6 +75,13 @@ class Ops:
         if gather is not None:
             raise ValueError("head_rms_norm: gather needs tp_leaves > 0")
         return self.rms_norm(x, weight, eps)
+
+    def partial_rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+        """RoPE on the first `rotary_dim` of each head's `d` channels, the rest passed through
+        (Qwen3-Next / Qwen3.5's partial rotary; rotary_dim == d is plain RoPE)."""
+        if rotary_dim == x.shape[-1]:
+            return self.rope(x, positions, theta)
+        return torch.cat([self.rope(x[..., :rotary_dim].contiguous(), positions, theta), x[..., rotary_dim:]], -1)
 
     def recipe_for(self, group: QuantLayer | None) -> QuantRecipe | None:
         """The recipe a linear of layer group `group` runs; None: high precision (no group:
@@ -153,7 +161,7 @@ MODE_OPS: dict[str, tuple[Callable, Callable]] = {
     "rope": (rope_exact, rope),
     "causal_attention": (attention_dense, _sdpa_causal),
     "lm_head": (lm_head_logits, _linear_fp32),
-    "gdn_elementwise": (lane_stable, _plain),
+    "elementwise": (lane_stable, _plain),
     "gdn_l2norm": (l2norm, _plain_l2norm),
     "gdn_recurrence": (gdn_recurrent, gdn_chunked),
 }

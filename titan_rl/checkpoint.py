@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -301,25 +302,48 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _scan(files: list[Path], path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path], dict[str, str]]:
-    """Names -> shapes / file / stored dtype, from the safetensors headers (no data read)."""
+_SKIPPED_SAID: set[str] = set()
+
+
+def _skip_note(path: Path, skipped: list[str]) -> None:
+    """One line, once per folder, for the tensors an architecture does not train."""
+    if skipped and str(path) not in _SKIPPED_SAID:
+        _SKIPPED_SAID.add(str(path))
+        groups: dict[str, int] = {}
+        for k in skipped:
+            prefix = ".".join(k.split(".")[:2]) + ".*"
+            groups[prefix] = groups.get(prefix, 0) + 1
+        listed = ", ".join(f"{p} ({n})" for p, n in sorted(groups.items()))
+        print(f"note: {path}: {len(skipped)} tensors the text model does not use are not loaded: {listed}",
+              file=sys.stderr, flush=True)
+
+
+def _scan(files: list[Path], path: Path, key=None) -> tuple[dict[str, tuple[int, ...]], dict[str, Path], dict[str, str]]:
+    """Names -> shapes / file / stored dtype, from the safetensors headers (no data read).
+    `key`: the architecture's HF name -> ours (None: not loaded)."""
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, Path] = {}
     dtypes: dict[str, str] = {}
+    skipped: list[str] = []
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
+                for hf_key in h.keys():
+                    k = hf_key if key is None else key(hf_key)
+                    if k is None:
+                        skipped.append(hf_key)
+                        continue
                     if k in where:
                         raise CheckpointError(f"key {k} appears in both {where[k].name} and {f.name} in {path}")
-                    sl = h.get_slice(k)
+                    sl = h.get_slice(hf_key)
                     shapes[k], where[k], dtypes[k] = tuple(sl.get_shape()), f, sl.get_dtype()
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
+    _skip_note(path, skipped)
     index_path = path / INDEX_NAME
-    if index_path.is_file():
+    if index_path.is_file() and key is None:
         weight_map = json.loads(index_path.read_text())["weight_map"]
         wrong = sorted(k for k, fn in weight_map.items() if k not in where or where[k].name != fn)
         unlisted = sorted(k for k in where if k not in weight_map)
@@ -337,11 +361,13 @@ def _check_architecture(d: dict, spec: ArchitectureSpec, cfg_path: Path) -> None
     archs = d.get("architectures")
     if archs is None:
         return
-    allowed = {spec.vllm_architecture, spec.hf_architecture}
+    def names(s: ArchitectureSpec) -> set[str]:
+        return {s.vllm_architecture, s.hf_architecture, *s.hf_aliases}
+
+    allowed = names(spec)
     if not isinstance(archs, list) or not archs or not all(a in allowed for a in archs):
         others = [n for n in list_architectures()
-                  if isinstance(archs, list) and {get_architecture(n).vllm_architecture,
-                                                  get_architecture(n).hf_architecture} & set(archs)]
+                  if isinstance(archs, list) and names(get_architecture(n)) & set(archs)]
         hint = f"; that is model.name = {others[0]!r}" if others else ""
         raise CheckpointError(f"{cfg_path}: architectures = {archs!r} is not {spec.name!r} (model.name); "
                               f"allowed: {sorted(allowed)}{hint}")
@@ -373,7 +399,7 @@ def check_hf_folder(path: str | os.PathLike, arch: str = "qwen3"):
     path = Path(path)
     spec, cfg, options = _folder_config(path, arch)
     files = _weight_files(path)
-    shapes, where, _ = _scan(files, path)
+    shapes, where, _ = _scan(files, path, spec.checkpoint_key)
     with torch.device("meta"):
         model = spec.build(cfg, options)
     _validate(model, shapes, str(path), where)
@@ -397,7 +423,7 @@ def load_hf_folder(
     path = Path(path)
     spec, cfg, options = _folder_config(path, arch, kernels)
     files = _weight_files(path)
-    shapes, where, stored = _scan(files, path)
+    shapes, where, stored = _scan(files, path, spec.checkpoint_key)
     if dtype is None:
         floats = {_ST_FLOAT[s] for s in stored.values() if s in _ST_FLOAT}
         dtype = floats.pop() if len(floats) == 1 else torch.float32
@@ -411,11 +437,12 @@ def load_hf_folder(
     with torch.no_grad():
         for f in files:
             with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
+                for hf_key in h.keys():
+                    k = hf_key if spec.checkpoint_key is None else spec.checkpoint_key(hf_key)
                     if k in plan:
-                        targets[plan[k]].copy_(h.get_tensor(k))
+                        targets[plan[k]].copy_(h.get_tensor(hf_key))
                     elif any(k == a for a, _ in pairs):
-                        alias_values[k] = h.get_tensor(k)
+                        alias_values[k] = h.get_tensor(hf_key)
     for alias, canonical in pairs:
         if not torch.equal(alias_values[alias].to(dtype), targets[canonical].detach()):
             raise _tied_conflict(alias, canonical, str(path))

@@ -40,7 +40,7 @@ from titan_rl.titan.sections import (
 
 @dataclass
 class ModelConfig:
-    name: str = "qwen3"
+    name: str = "qwen3"  # a registered architecture, or "auto": the one model.checkpoint's config.json names
     flavor: str = "debug"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     checkpoint: str = ""  # local HF folder (config.json + *.safetensors); "" = random weights
@@ -247,8 +247,13 @@ def from_dict(data: dict) -> Config:
 
 
 def validate(cfg: Config) -> None:
-    from titan_rl.registry import get_architecture
+    from titan_rl.registry import architecture_of_folder, get_architecture
 
+    if cfg.model.name == "auto":  # the architecture config.json names (resolved once, here)
+        if not cfg.model.checkpoint:
+            raise ConfigError("model.name = 'auto' needs model.checkpoint: the folder whose config.json names the "
+                              "architecture")
+        cfg.model.name = architecture_of_folder(cfg.model.checkpoint).name
     spec = get_architecture(cfg.model.name)
     if not cfg.model.checkpoint:
         try:

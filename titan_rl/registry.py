@@ -48,6 +48,28 @@ def architecture_for_vllm(arch: str) -> ArchitectureSpec:
     raise ValueError(f"no titan_rl architecture registered for vLLM architecture {arch!r}")
 
 
+def architecture_of_folder(path: str) -> ArchitectureSpec:
+    """The registered architecture an HF folder's config.json names (its `architectures`
+    entry: a spec's HF or vLLM architecture); refused naming the registered ones otherwise."""
+    import json
+    from pathlib import Path
+
+    from titan_rl.errors import CheckpointError
+
+    _register_builtins()
+    cfg_path = Path(path) / "config.json"
+    try:
+        archs = json.loads(cfg_path.read_text()).get("architectures") or []
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"model.name = 'auto': cannot read {cfg_path}: {e}") from None
+    for spec in _REGISTRY.values():
+        if {spec.hf_architecture, spec.vllm_architecture, *spec.hf_aliases} & set(archs):
+            return spec
+    known = sorted(a for s in _REGISTRY.values() for a in (s.hf_architecture, *s.hf_aliases))
+    raise ConfigError(f"model.name = 'auto': {cfg_path} names architectures = {archs}, which no registered "
+                      f"architecture serves; registered: {known}")
+
+
 def architecture_of(model: torch.nn.Module) -> ArchitectureSpec:
     """The registered architecture of a model (a whole model, as `build` returns it): the
     first class in its MRO that is an architecture's model class (the re-classing wrappers,
@@ -67,6 +89,9 @@ def _register_builtins() -> None:
     from titan_rl.models.qwen3.spec import SPEC as QWEN3
     from titan_rl.models.qwen3_hybrid.spec import SPEC as QWEN3_HYBRID
     from titan_rl.models.qwen3_moe.spec import SPEC as QWEN3_MOE
+    from titan_rl.models.qwen3_next.spec import SPEC as QWEN3_NEXT
+    from titan_rl.models.qwen3_5.spec import SPEC as QWEN3_5
+    from titan_rl.models.qwen3_5_moe.spec import SPEC as QWEN3_5_MOE
 
-    for spec in (QWEN3, QWEN3_MOE, QWEN3_HYBRID):
+    for spec in (QWEN3, QWEN3_MOE, QWEN3_HYBRID, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE):
         register_architecture(spec)

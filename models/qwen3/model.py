@@ -93,16 +93,19 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops: Ops, make_layer: Callable[[Qwen3Config, int, Ops], nn.Module]):
+    def __init__(self, cfg: Qwen3Config, ops: Ops, make_layer: Callable[[Qwen3Config, int, Ops], nn.Module],
+                 norm_offset: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset=norm_offset)
 
 
 class Qwen3ForCausalLM(nn.Module):
     # (cfg, layer_idx, ops) -> decoder layer; the MoE and hybrid models name their own.
     make_layer = DecoderLayer
+    # the final norm's form (RMSNorm.offset: Qwen3-Next / Qwen3.5's x * (1 + w))
+    norm_offset = False
 
     def __init__(self, cfg: Qwen3Config, options: ModelOptions = ModelOptions()):
         super().__init__()
@@ -110,17 +113,18 @@ class Qwen3ForCausalLM(nn.Module):
         options.validate().check_widths(cfg.tp_widths())
         self.options = options
         self.ops = Ops(options)
-        self.model = Backbone(cfg, self.ops, type(self).make_layer)
+        self.model = Backbone(cfg, self.ops, type(self).make_layer, type(self).norm_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.ops)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3ForCausalLM":
         g = torch.Generator().manual_seed(seed)
+        offset = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm) and m.offset}
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                if name.endswith("norm.weight"):  # a scale near 1 (an offset norm's is 1 + w)
+                    p.copy_((0.0 if name in offset else 1.0) + 0.1 * torch.randn(p.shape, generator=g))
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self

@@ -26,8 +26,10 @@ class HeadNorm(nn.Module):
 
     def forward(self, x):
         if self.ops.tp_leaves:
-            return self.ops.head_rms_norm(x, self.weight, self.eps, partial(gather_rows, group=self.tp_group))
-        return self.ops.head_rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps)
+            y = self.ops.head_rms_norm(*self.operands(x, self.weight), self.eps, partial(gather_rows, group=self.tp_group))
+        else:
+            y = self.ops.head_rms_norm(*self.operands(x, copy_to_tp(self.weight, self.tp_group)), self.eps)
+        return y.to(x.dtype)
 
 
 def shard_attention_heads(attn: nn.Module, group) -> None:

@@ -84,7 +84,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x, z, weight: torch.Tensor):
         y = self.ops.head_rms_norm(x, weight, self.eps, self.tp_gather)
-        return (y.float() * self.ops.gdn_elementwise(F.silu, z.float())).to(x.dtype)
+        return (y.float() * self.ops.elementwise(F.silu, z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -110,28 +110,36 @@ class GatedDeltaNet(nn.Module):
         gives its own heads' share (titan_rl/titan/parallelize.py)."""
         return self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of x [n, E]: (q | k | v of all heads [n, conv channels], z [n, Hv*dv],
+        b [n, Hv], a [n, Hv]). Qwen3-Next's grouped layout: in_proj_qkvz / in_proj_ba hold
+        each key head's q, k, v, z / b, a together."""
+        n, hk, hv, dk, dv, r = x.shape[0], self.hk, self.hv, self.dk, self.dv, self.r
+        qkvz = self.in_proj_qkvz(x).view(n, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(n, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(n, hk * dk), k.reshape(n, hk * dk), v.reshape(n, hv * dv)], dim=-1)
+        return mixed, z.reshape(n, hv * dv), b.reshape(n, hv), a.reshape(n, hv)
+
     def forward(self, x, state: LinearState):
         T = x.shape[0]
-        hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.r
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         cu = state.cu_seqlens
         n = int(cu[-1])
-        qkvz = self.in_proj_qkvz(x[:n]).view(n, hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x[:n]).view(n, hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(n, hk * dk), k.reshape(n, hk * dk), v.reshape(n, hv * dv)], dim=-1)
+        mixed, z, b, a = self.project(x[:n])
 
         conv_w, A_log, dt_bias, norm_w = self.head_params()
         conv0, rec0 = state.initial(self.layer_idx)
         y, conv1 = causal_conv1d(mixed, conv_w, cu, conv0)
         ops = self.ops
-        y = ops.gdn_elementwise(F.silu, y).to(mixed.dtype)  # lane_stable computes in fp32
+        y = ops.elementwise(F.silu, y).to(mixed.dtype)  # lane_stable computes in fp32
         q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q = ops.gdn_l2norm(q.reshape(n, hk, dk))
         k = ops.gdn_l2norm(k.reshape(n, hk, dk))
         v = v.reshape(n, hv, dv)
-        beta = ops.gdn_elementwise(torch.sigmoid, b.reshape(n, hv).float())
-        decay = ops.gdn_elementwise(torch.exp, A_log.float())
-        g = -decay * ops.gdn_elementwise(F.softplus, a.reshape(n, hv).float() + dt_bias.float())
+        beta = ops.elementwise(torch.sigmoid, b.reshape(n, hv).float())
+        decay = ops.elementwise(torch.exp, A_log.float())
+        g = -decay * ops.elementwise(F.softplus, a.reshape(n, hv).float() + dt_bias.float())
         o, rec1 = ops.gdn_recurrence(q, k, v, g, beta, cu, rec0, scale=1.0 / math.sqrt(dk))
         state.store(self.layer_idx, conv1, rec1)
 
@@ -143,18 +151,23 @@ class GatedDeltaNet(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    """qwen3's decoder layer with the token mixer chosen by the layer index."""
+    """qwen3's decoder layer with the token mixer chosen by the layer index. The Qwen3-Next
+    family's layers are this one with other parts (class attributes; `mlp`: a routed block)."""
 
-    def __init__(self, cfg: Qwen3HybridConfig, layer_idx: int, ops: Ops):
+    attention_cls: type = Attention
+    gdn_cls: type = GatedDeltaNet
+    norm_offset = False
+
+    def __init__(self, cfg: Qwen3HybridConfig, layer_idx: int, ops: Ops, mlp: nn.Module | None = None):
         super().__init__()
         self.is_full_attention = cfg.is_full_attention(layer_idx)
         if self.is_full_attention:
-            self.self_attn = Attention(cfg, layer_idx, ops)
+            self.self_attn = self.attention_cls(cfg, layer_idx, ops)
         else:
-            self.linear_attn = GatedDeltaNet(cfg, layer_idx, ops)
-        self.mlp = MLP(cfg, ops)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.linear_attn = self.gdn_cls(cfg, layer_idx, ops)
+        self.mlp = MLP(cfg, ops) if mlp is None else mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset=self.norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset=self.norm_offset)
 
     def forward(self, x, positions, attn: AttentionFn, state: LinearState):
         h = self.input_layernorm(x)

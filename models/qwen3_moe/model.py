@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk
-from titan_rl.models.layers import AttentionFn, Linear
+from titan_rl.models.layers import Linear
 from titan_rl.models.ops import Ops
 from titan_rl.models.qwen3.model import MLP, DecoderLayer, Qwen3ForCausalLM
 from titan_rl.models.qwen3_moe.config import Qwen3MoeConfig
@@ -68,11 +68,11 @@ def moe_decoder_layer(cfg: Qwen3MoeConfig, layer_idx: int, ops: Ops) -> DecoderL
     return DecoderLayer(cfg, layer_idx, ops, mlp=SparseMoeBlock(cfg, ops))
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """qwen3.Qwen3ForCausalLM with MoE layers; __init__/hidden_states/logits/forward/
-    init_weights are qwen3's (same signatures, same kernels)."""
+class Routed:
+    """What a model whose every decoder layer's `mlp` is a SparseMoeBlock adds (a mixin
+    before the model class): the routes and the auxiliary loss of each forward, and router
+    replay."""
 
-    make_layer = staticmethod(moe_decoder_layer)
     # set by every forward (hidden_states)
     aux_loss: torch.Tensor | None = None
     last_routes: list[torch.Tensor] | None = None
@@ -87,8 +87,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         for i, layer in enumerate(layers):
             layer.mlp.route_override = None if routes is None else routes[i]
 
-    def hidden_states(self, input_ids, positions, attn: AttentionFn, inputs_embeds=None):
-        h = super().hidden_states(input_ids, positions, attn, inputs_embeds)
+    def hidden_states(self, *args, **kwargs):
+        h = super().hidden_states(*args, **kwargs)
         blocks = [layer.mlp for layer in self.model.layers]
         self.last_routes = [compact_routes(b.last_ids, self.cfg.num_experts) for b in blocks]
         self.last_own_routes = [compact_routes(b.last_own_ids, self.cfg.num_experts) for b in blocks]
@@ -99,3 +99,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             b.last_probs = b.last_ids = b.last_own_ids = None
         return h
 
+
+class Qwen3MoeForCausalLM(Routed, Qwen3ForCausalLM):
+    """qwen3.Qwen3ForCausalLM with MoE layers; __init__/hidden_states/logits/forward/
+    init_weights are qwen3's (same signatures, same kernels)."""
+
+    make_layer = staticmethod(moe_decoder_layer)
