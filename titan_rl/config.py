@@ -301,6 +301,7 @@ def validate(cfg: Config) -> None:
     if ac_reason:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
     _check_quantization(cfg)
+    _check_model_len(cfg)
     _check_ranges(cfg)
     _check_titan_sections(cfg)
     p = cfg.parity
@@ -332,6 +333,32 @@ def _check_quantization(cfg: Config) -> None:
         allowed = ["none", *(r for r in QUANT_RECIPES[1:] if not _quantization_problem(cfg, r))]
         raise ConfigError(f"quantization.recipe = {q.recipe!r} cannot run on model {cfg.model.name!r} "
                           f"({cfg.model.checkpoint or cfg.model.flavor}): {problem}; allowed for this model: {allowed}")
+
+
+def _model_config(cfg: Config):
+    """The architecture config the run builds: the checkpoint folder's config.json, or the
+    flavor's (None where the folder has no readable config.json: the checkpoint checks say why)."""
+    import json
+
+    from titan_rl.registry import get_architecture
+
+    spec = get_architecture(cfg.model.name)
+    if not cfg.model.checkpoint:
+        return spec.flavor(cfg.model.flavor)
+    path = Path(cfg.model.checkpoint) / "config.json"
+    try:
+        return spec.config_from_hf(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _check_model_len(cfg: Config) -> None:
+    arch_cfg = _model_config(cfg)
+    limit = getattr(arch_cfg, "max_position_embeddings", None)
+    if limit is not None and cfg.rollout.max_model_len > limit:
+        where = f"model.checkpoint {cfg.model.checkpoint!r}" if cfg.model.checkpoint else f"flavor {cfg.model.flavor!r}"
+        raise ConfigError(f"rollout.max_model_len = {cfg.rollout.max_model_len} exceeds the model's "
+                          f"max_position_embeddings = {limit} ({where}); set rollout.max_model_len <= {limit}")
 
 
 def _quantization_problem(cfg: Config, recipe: str) -> str:
