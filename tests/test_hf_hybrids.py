@@ -23,33 +23,16 @@ except ModuleNotFoundError as e:  # transformers is a dev extra; a broken import
     if e.name != "transformers":
         raise
     pytest.skip("transformers is not installed", allow_module_level=True)
-from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
-from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers import AutoModelForCausalLM
 
 from titan_rl.checkpoint import load_hf_folder, save_hf_folder
+from titan_rl.hf_reference import ARCHS, classes, hf_model
 
 ATOL = 5e-5
-ODD = dict(vocab_size=997, hidden_size=200, intermediate_size=328, num_hidden_layers=4, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
-           linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=3, max_position_embeddings=512)
-MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=72, shared_expert_intermediate_size=88)
-CASES = {
-    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, MOE),
-    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, {}),
-    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, MOE),
-}
 
 
 def _hf_model(arch, seed, tied=False):
-    config_cls, model_cls, extra = CASES[arch]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**ODD, **extra, tie_word_embeddings=tied)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # transformers inits routers and norms to zero: move them so routing varies
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=g))
-    return model
+    return hf_model(arch, seed, tied=tied)
 
 
 def _hf_routes(model, tokens):
@@ -94,7 +77,7 @@ def _compare(ours, hf, tokens):
 
 
 @pytest.mark.parametrize("kernels", ["exact", "stock"])
-@pytest.mark.parametrize("arch", list(CASES))
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_transformers_folder_loads_strictly_and_gives_its_logits(tmp_path, arch, kernels, seed, rng):
     hf = _hf_model(arch, seed % 2**31, tied=arch == "qwen3_5")
     hf.save_pretrained(tmp_path)
@@ -104,16 +87,32 @@ def test_a_transformers_folder_loads_strictly_and_gives_its_logits(tmp_path, arc
     print(f"{arch} {kernels}: max |ours - transformers| = {_compare(ours, hf, tokens):.3g}")
 
 
-@pytest.mark.parametrize("arch", list(CASES))
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_folder_we_write_loads_into_transformers(tmp_path, arch, seed, rng):
     hf = _hf_model(arch, seed % 2**31)
     hf.save_pretrained(tmp_path / "theirs")
     ours = load_hf_folder(tmp_path / "theirs", dtype=torch.float32, arch=arch).eval()
-    save_hf_folder(ours, tmp_path / "ours", dtype=torch.float32, arch=arch, architecture=CASES[arch][1].__name__)
+    save_hf_folder(ours, tmp_path / "ours", dtype=torch.float32, arch=arch, architecture=classes(arch)[1].__name__)
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32,
                                                 local_files_only=True).eval()
-    assert type(back) is CASES[arch][1]
+    assert type(back) is classes(arch)[1]
     for (n, a), (m, b) in zip(sorted(hf.state_dict().items()), sorted(back.state_dict().items())):
         assert n == m and torch.equal(a, b), n  # every tensor round-trips exactly
     tokens = torch.randint(0, 997, (2, 23), generator=rng)
     _compare(ours, back, tokens)
+
+
+def test_a_vision_language_folder_loads_its_text_model(tmp_path, seed, rng, capsys):
+    from titan_rl.hf_reference import vl_model
+
+    hf = vl_model(seed % 2**31)
+    hf.save_pretrained(tmp_path)
+    capsys.readouterr()
+    ours = load_hf_folder(tmp_path, dtype=torch.float32, arch="qwen3_5").eval()
+    note = capsys.readouterr().err.strip().splitlines()
+    assert len(note) == 1 and "model.visual.*" in note[0] and "not loaded" in note[0], note
+    tokens = torch.randint(0, 997, (2, 29), generator=rng)
+    with torch.no_grad():
+        want, got = hf(input_ids=tokens).logits, ours(tokens)
+    diff = (got - want).abs().max().item()
+    assert diff <= ATOL and want.std().item() > 1000 * ATOL, diff

@@ -17,8 +17,9 @@ from titan_rl.registry import get_architecture  # noqa: E402
 from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
 from titan_rl.vllm.hybrid import TitanHybridForCausalLM  # noqa: E402
 
-CASES = [("qwen3_next", "debug_qwen3_next", "float32"), ("qwen3_next", "debug_qwen3_next", "bfloat16"),
-         ("qwen3_5", "debug_qwen35", "bfloat16"), ("qwen3_5_moe", "debug_qwen35_moe", "bfloat16")]
+CASES = [(arch, flavor, dtype) for arch, flavor in [("qwen3_next", "debug_qwen3_next"), ("qwen3_5", "debug_qwen35"),
+                                                   ("qwen3_5_moe", "debug_qwen35_moe")]
+         for dtype in ("float32", "bfloat16")]
 
 
 def _model(arch, flavor, seed):

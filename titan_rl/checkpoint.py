@@ -305,15 +305,19 @@ def _weight_files(path: Path) -> list[Path]:
 _SKIPPED_SAID: set[str] = set()
 
 
+def _groups(keys: list[str]) -> str:
+    groups: dict[str, int] = {}
+    for k in keys:
+        prefix = ".".join(k.split(".")[:2]) + ".*"
+        groups[prefix] = groups.get(prefix, 0) + 1
+    return ", ".join(f"{p} ({n})" for p, n in sorted(groups.items()))
+
+
 def _skip_note(path: Path, skipped: list[str]) -> None:
     """One line, once per folder, for the tensors an architecture does not train."""
     if skipped and str(path) not in _SKIPPED_SAID:
         _SKIPPED_SAID.add(str(path))
-        groups: dict[str, int] = {}
-        for k in skipped:
-            prefix = ".".join(k.split(".")[:2]) + ".*"
-            groups[prefix] = groups.get(prefix, 0) + 1
-        listed = ", ".join(f"{p} ({n})" for p, n in sorted(groups.items()))
+        listed = _groups(skipped)
         print(f"note: {path}: {len(skipped)} tensors the text model does not use are not loaded: {listed}",
               file=sys.stderr, flush=True)
 
@@ -341,6 +345,9 @@ def _scan(files: list[Path], path: Path, key=None) -> tuple[dict[str, tuple[int,
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
+    if skipped and not shapes:
+        raise CheckpointError(f"{path}: only tensors of parts titan_rl does not load ({_groups(skipped)}): "
+                              "it trains and serves the text model; a vision tower or MTP head alone is not supported")
     _skip_note(path, skipped)
     index_path = path / INDEX_NAME
     if index_path.is_file() and key is None:
@@ -388,6 +395,23 @@ def _folder_config(path: Path, arch: str, kernels: KernelMode = "exact"):
         raise CheckpointError(f"{path / CONFIG_NAME} lacks the field {e.args[0]!r} needed to build {arch!r}") from e
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_NAME}: {e}") from e
+
+
+def folder_names(path: str | os.PathLike, arch: str) -> dict[str, str]:
+    """Our tensor name -> the folder's, where they differ (a vision-language folder stores the
+    text model under `model.language_model.`): what TorchTitan's HF load must ask DCP for."""
+    spec = get_architecture(arch)
+    if spec.checkpoint_key is None:
+        return {}
+    path = Path(path)
+    names: dict[str, str] = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as h:
+            for hf_key in h.keys():
+                k = spec.checkpoint_key(hf_key)
+                if k is not None and k != hf_key:
+                    names[k] = hf_key
+    return names
 
 
 def check_hf_folder(path: str | os.PathLike, arch: str = "qwen3"):

@@ -335,7 +335,7 @@ def _check_quantization(cfg: Config) -> None:
                           f"({cfg.model.checkpoint or cfg.model.flavor}): {problem}; allowed for this model: {allowed}")
 
 
-def _model_config(cfg: Config):
+def model_config(cfg: Config):
     """The architecture config the run builds: the checkpoint folder's config.json, or the
     flavor's (None where the folder has no readable config.json: the checkpoint checks say why)."""
     import json
@@ -353,7 +353,7 @@ def _model_config(cfg: Config):
 
 
 def _check_model_len(cfg: Config) -> None:
-    arch_cfg = _model_config(cfg)
+    arch_cfg = model_config(cfg)
     limit = getattr(arch_cfg, "max_position_embeddings", None)
     if limit is not None and cfg.rollout.max_model_len > limit:
         where = f"model.checkpoint {cfg.model.checkpoint!r}" if cfg.model.checkpoint else f"flavor {cfg.model.flavor!r}"

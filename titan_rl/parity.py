@@ -235,6 +235,24 @@ def print_table(results: list[dict], file=None) -> None:
         print(f"{k:34s}" + "".join(cells), file=file)
 
 
+def _check_stock(cfg) -> None:
+    """vLLM's own CPU ops take only some shapes and dtypes (titan_rl.vllm.engine.stock_cpu_problem):
+    refused here, before any engine starts."""
+    from titan_rl.errors import ConfigError
+    from titan_rl.vllm.engine import stock_cpu_problem
+
+    spec = get_architecture(cfg.model.name)
+    if spec.hf_architecture == spec.vllm_architecture:
+        raise ConfigError(f"--kernels stock for model.name {cfg.model.name!r}: vLLM has no built-in implementation of "
+                          "it (its HF architecture is our own wrapper); use --kernels exact")
+    arch_cfg = config_mod.model_config(cfg)
+    problem = arch_cfg is not None and stock_cpu_problem(spec, arch_cfg, cfg.model.dtype)
+    if problem:
+        where = f"model.checkpoint {cfg.model.checkpoint!r}" if cfg.model.checkpoint else f"model.flavor {cfg.model.flavor!r}"
+        raise ConfigError(f"--kernels stock for model.name {cfg.model.name!r} ({where}): vLLM's built-in CPU ops cannot "
+                          f"run it: {problem}; use --kernels exact, or a folder they take")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_rl.parity", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -261,6 +279,8 @@ def main(argv=None) -> int:
             raise ConfigError(
                 f"quantization.recipe = {stock_recipe!r} with --kernels {args.kernels or cfg.model.kernels}: the stock "
                 f"engine has no online form of it; allowed with stock kernels: {['none', *STOCK_QUANTIZATION]}")
+        if (args.kernels or cfg.model.kernels) in ("stock", "both"):
+            _check_stock(cfg)
         if args.num_prompts is not None and args.num_prompts < 1:
             raise UserError(f"--num-prompts = {args.num_prompts}: must be >= 1")
         if cfg.model.checkpoint:  # strictly, before vLLM's loader (its errors name no file)

@@ -18,6 +18,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.trainer import Trainer
 
+from titan_rl.checkpoint import folder_names
 from titan_rl.errors import CheckpointError
 from titan_rl.registry import get_architecture
 
@@ -75,6 +76,7 @@ def build_titan_config(cfg, run_dir: str) -> Trainer.Config:
             raise CheckpointError(f"model.checkpoint = {cfg.model.checkpoint!r}: no config.json in that folder")
         with open(cfg_path) as f:
             fields["model_config"] = get_architecture(cfg.model.name).config_from_hf(json.load(f))
+        fields["checkpoint_names"] = folder_names(cfg.model.checkpoint, cfg.model.name)
         initial_load = dict(enable=True, initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
                             initial_load_model_only=True)
     # how the model computes; its engine gets the same options through config.json

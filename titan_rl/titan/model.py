@@ -17,7 +17,7 @@ model's plain nn.Module submodules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,9 @@ class TitanModel(BaseModel):
         read it, and config.json carries it to the rollout engine (models/options.py)."""
         init_seed: int = 0
         init_std: float = 0.02
+        checkpoint_names: dict[str, str] = field(default_factory=dict)
+        """Our tensor name -> the HF folder's where they differ (titan_rl.checkpoint.folder_names):
+        the state-dict adapter reads and writes the folder under these."""
 
         def arch_config(self):
             """The architecture's config (what build() builds)."""

@@ -38,6 +38,12 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     if kernels == "stock" and spec.hf_architecture == spec.vllm_architecture:
         raise ValueError(f"kernels = 'stock' is not available for {arch!r}: vLLM has no built-in implementation "
                          "of it (hf_architecture is our own wrapper); use kernels = 'exact'")
+    if kernels == "stock":
+        from titan_rl.checkpoint import check_hf_folder
+
+        problem = stock_cpu_problem(spec, check_hf_folder(folder, arch=arch), dtype)
+        if problem:
+            raise ValueError(f"kernels = 'stock' for {arch!r} ({folder}): {problem}")
     if kernels == "exact":
         from titan_rl.vllm.sampling import install, install_logprobs
 
@@ -68,6 +74,32 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         kwargs.update(quantization="torchao")
         kwargs["hf_overrides"]["quantization_config_dict_json"] = _torchao_config_json(STOCK_QUANTIZATION[quantization])
     return LLM(**kwargs)
+
+
+def stock_cpu_problem(spec, cfg, dtype: str) -> str:
+    """Why vLLM's own CPU ops cannot run the model config `cfg` ("" when they can, or off CPU), found
+    before the engine starts (their own errors come from inside a worker, mid-step):
+    the CPU GDN op (vllm/model_executor/layers/mamba/ops/cpu) takes bfloat16 only, a
+    conv of width 4, and equal key/value head dims of 64 or 128; the CPU MoE experts
+    need a hidden size divisible by 32 (layers/fused_moe/experts/cpu_moe.py). Probed against the ops themselves by tests/test_hybrids_vllm.py."""
+    if not (spec.recurrent_state or spec.moe):
+        return ""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ""
+    problems = []
+    if spec.recurrent_state:
+        if dtype != "bfloat16":
+            problems.append(f"model dtype {dtype!r} (its GDN op takes 'bfloat16')")
+        if cfg.linear_conv_kernel_dim != 4:
+            problems.append(f"linear_conv_kernel_dim = {cfg.linear_conv_kernel_dim} (its conv takes 4)")
+        dims = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        if dims[0] != dims[1] or dims[0] not in (64, 128):
+            problems.append(f"linear_key_head_dim, linear_value_head_dim = {dims} (it takes equal dims of 64 or 128)")
+    if spec.moe and cfg.hidden_size % 32:
+        problems.append(f"hidden_size = {cfg.hidden_size} (its MoE experts take a multiple of 32)")
+    return "; ".join(problems)
 
 
 def _torchao_config_json(name: str) -> str:

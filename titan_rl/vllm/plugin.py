@@ -1,11 +1,39 @@
 """vllm.general_plugins entry point: runs in every vLLM process (engine and workers)."""
 
+import importlib.util
+import sys
+import types
+
+# Set-up removes torchvision: the only builds reachable are CUDA builds that fail to import
+# ("operator torchvision::nms does not exist"), and a broken torchvision breaks `import vllm`.
+_QWEN2_VL_IMAGES = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+
 
 def register() -> None:
     from vllm import ModelRegistry
 
     from titan_rl.registry import get_architecture, list_architectures
 
+    _text_only_vl_imports()
     for spec in map(get_architecture, list_architectures()):
         if spec.vllm_architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(spec.vllm_architecture, spec.vllm_class)
+
+
+def _text_only_vl_imports() -> None:
+    """vLLM's built-in Qwen3.5 models (the stock engine of `qwen3_5` and `qwen3_5_moe`) import
+    Qwen3-VL's module, which imports Qwen2-VL's torchvision image processor at module level
+    for the vision tower. Without torchvision that module is provided by the PIL twin
+    transformers ships (same `smart_resize`, a PIL-backed processor class); a text-only model
+    never builds it, and a multimodal one would fail loudly on the marker below."""
+    if importlib.util.find_spec("torchvision") is not None or _QWEN2_VL_IMAGES in sys.modules:
+        return
+    import transformers.models.qwen2_vl as qwen2_vl
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    stand_in = types.ModuleType(_QWEN2_VL_IMAGES, "titan_rl stand-in: torchvision is not installed (text-only)")
+    stand_in.smart_resize = pil.smart_resize
+    stand_in.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    sys.modules[_QWEN2_VL_IMAGES] = stand_in
+    # the package's lazy attribute would warn about the same fallback on every import
+    qwen2_vl.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil

@@ -1,0 +1,97 @@
+"""The parity command on folders transformers writes for Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
+(`--model.name=auto`): exact is bitwise (sampled tokens and full-vocab rows) in fp32 and
+bf16 at odd sizes; the stock column is vLLM's own implementation (its CPU GDN op, bf16
+only, at the shapes it takes: titan_rl.hf_reference --stock-shapes) and is not zero."""
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from titan_rl import parity  # noqa: E402
+from titan_rl.hf_reference import ARCHS, hf_model  # noqa: E402
+
+BUILTIN = {"qwen3_next": "vllm.model_executor.models.qwen3_next.Qwen3NextForCausalLM",
+           "qwen3_5": "vllm.model_executor.models.qwen3_5.Qwen3_5ForCausalLM",
+           "qwen3_5_moe": "vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM"}
+
+
+def _parity(tmp_path, folder, dtype, kernels, seed):
+    out = tmp_path / f"{dtype}-{kernels}.json"
+    rc = parity.main(["--config", "train_configs/debug_hybrid.toml", "--kernels", kernels, "--num-prompts", "6",
+                      "--seed", str(seed % 1000), "--json", str(out), "--model.name=auto",
+                      f"--model.checkpoint={folder}", f"--model.dtype={dtype}", "--rollout.max_model_len=512",
+                      "--rollout.max_num_seqs=8", "--parity.full_vocab_prompts=2"])
+    assert rc == 0
+    return {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_transformers_folder_is_bitwise_in_fp32_at_odd_sizes(tmp_path, arch, seed, monkeypatch):
+    monkeypatch.chdir(parity.__file__.rsplit("/titan_rl/", 1)[0])
+    hf_model(arch, seed % 2**31, scale=0.2).save_pretrained(tmp_path / "hf")
+    exact = _parity(tmp_path, tmp_path / "hf", "float32", "exact", seed)["exact"]
+    assert exact["tokens"] > 0 and exact["full_vocab_positions"] > 0
+    assert exact["max_abs_dlogp"] == 0 and exact["full_vocab_max_abs_dlogp"] == 0 and exact["bitwise_fraction"] == 1
+    assert exact["contract"]["differs"] == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_exact_is_bitwise_and_stock_is_vllms_own_and_not(tmp_path, arch, seed, monkeypatch):
+    monkeypatch.chdir(parity.__file__.rsplit("/titan_rl/", 1)[0])
+    hf_model(arch, seed % 2**31, scale=0.2, stock_shapes=True).save_pretrained(tmp_path / "hf")
+    res = _parity(tmp_path, tmp_path / "hf", "bfloat16", "both", seed)
+    exact, stock = res["exact"], res["stock"]
+    assert exact["max_abs_dlogp"] == 0 and exact["full_vocab_max_abs_dlogp"] == 0
+    assert stock["tokens"] == exact["tokens"] > 0
+    assert stock["contract"]["engine"]["entries"]["op.gdn_recurrence"] == f"vllm built-in {BUILTIN[arch]}"
+    assert stock["max_abs_dlogp"] > 0 and stock["bitwise_fraction"] < 1
+
+
+def test_stock_is_refused_in_one_line_where_vllms_cpu_ops_cannot_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(parity.__file__.rsplit("/titan_rl/", 1)[0])
+    hf_model("qwen3_next", 0).save_pretrained(tmp_path)  # odd sizes, fp32
+    capsys.readouterr()  # transformers' progress bar
+    rc = parity.main(["--config", "train_configs/debug_hybrid.toml", "--kernels", "both", "--model.name=auto",
+                      f"--model.checkpoint={tmp_path}", "--model.dtype=float32", "--rollout.max_model_len=512"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    for part in ("model dtype 'float32'", "linear_conv_kernel_dim = 3", "(32, 16)", "hidden_size = 200"):
+        assert part in err[0], err[0]
+
+
+def _vllm_gdn_takes(dk: int, dv: int, width: int) -> bool:
+    """Whether vLLM's own CPU GDN ops (its chunked delta rule and its conv) run these dims
+    (called as its GDN layer calls them: bf16 q/k/v/beta, fp32 gate and state)."""
+    import torch
+    import vllm._custom_ops as ops
+
+    T, H, bf = 8, 2, torch.bfloat16
+    q, k, v = torch.randn(1, T, H, dk, dtype=bf), torch.randn(1, T, H, dk, dtype=bf), torch.randn(1, T, H, dv, dtype=bf)
+    one = torch.tensor([0], dtype=torch.int32)
+    try:
+        ops.chunk_gated_delta_rule_cpu(q, k, v, -torch.rand(1, T, H), torch.rand(1, T, H, dtype=bf),
+                                       torch.zeros(1, H, dk, dv), True, torch.tensor([0, T], dtype=torch.int32),
+                                       False, True, one)
+        x = torch.randn(T, 64, dtype=bf).t()  # [channels, tokens] with tokens contiguous per channel: its layout
+        ops.causal_conv1d_fwd_cpu(x, torch.randn(64, width, dtype=bf), None, torch.zeros(1, 64, width - 1, dtype=bf),
+                                  torch.tensor([0, T], dtype=torch.int32), one, torch.tensor([False]), True, False)
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_the_stock_refusal_says_what_vllms_ops_refuse():
+    from types import SimpleNamespace
+
+    from titan_rl.registry import get_architecture
+    from titan_rl.vllm.engine import stock_cpu_problem
+
+    spec = get_architecture("qwen3_5")
+    for dk, dv, width in [(32, 32, 4), (64, 64, 4), (128, 128, 4), (64, 128, 4), (96, 96, 4), (64, 64, 3),
+                          (128, 128, 5)]:
+        cfg = SimpleNamespace(linear_conv_kernel_dim=width, linear_key_head_dim=dk, linear_value_head_dim=dv,
+                              hidden_size=200)
+        assert (stock_cpu_problem(spec, cfg, "bfloat16") == "") == _vllm_gdn_takes(dk, dv, width), (dk, dv, width)

@@ -1,0 +1,97 @@
+"""Tiny HF folders written by transformers' own model classes: the reference the loaders are
+tested against, and a checkpoint to point `python -m titan_rl.parity --model.name=auto` at
+without a hub.
+
+    python -m titan_rl.hf_reference --arch qwen3_5 --out /tmp/q35 [--stock-shapes] [--seed 0]
+
+Odd sizes by default (hidden 200, vocab 997, 3 value heads per key head, GDN head dims 32 / 16,
+a conv of width 3, 5 experts of 72, a shared expert of 88). `--stock-shapes` keeps the odd
+hidden / vocab / FFN widths where vLLM's own CPU ops allow them and changes what they do not
+take (titan_rl.vllm.engine.stock_cpu_problem): conv width 4, GDN head dims 64 = 64, and for
+the MoE models hidden 224 (a multiple of 32)."""
+
+import argparse
+import sys
+
+import torch
+
+ODD = dict(vocab_size=997, hidden_size=200, intermediate_size=328, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+           linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=3, max_position_embeddings=512)
+MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=72, shared_expert_intermediate_size=88)
+STOCK = dict(linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64)
+STOCK_MOE = dict(hidden_size=224)
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def classes(arch: str):
+    """(config class, model class, extra config fields) of transformers for `arch`."""
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        return Qwen3NextConfig, Qwen3NextForCausalLM, MOE
+    if arch == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig, Qwen3_5ForCausalLM, {}
+    if arch == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, MOE
+    raise ValueError(f"arch = {arch!r}: allowed: {list(ARCHS)}")
+
+
+def hf_model(arch: str, seed: int, *, tied: bool = False, stock_shapes: bool = False, scale: float = 0.02,
+             **fields):
+    """transformers' model for `arch` at the tiny sizes, its weights moved off their init
+    by N(0, scale) noise (transformers inits routers and norm weights to zero: unmoved,
+    every token would route alike and a (1 + w) norm would read the same as w)."""
+    config_cls, model_cls, extra = classes(arch)
+    sizes = {**ODD, **extra}
+    if stock_shapes:
+        sizes.update(STOCK, **(STOCK_MOE if extra else {}))
+    sizes.update(fields)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**sizes, tie_word_embeddings=tied)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def vl_model(seed: int, *, scale: float = 0.02, **fields):
+    """transformers' Qwen3_5ForConditionalGeneration (a one-block vision tower beside the tiny
+    text model): a folder with `model.language_model.*` and `model.visual.*` tensors."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = {**ODD, **fields}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=40, num_heads=2, num_position_embeddings=16,
+                  out_hidden_size=text["hidden_size"])
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_rl.hf_reference", description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", required=True, choices=ARCHS)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=float, default=0.2, help="std of the noise added to the init (default 0.2: "
+                    "logits with a std of a few units, so sampling is not uniform)")
+    ap.add_argument("--stock-shapes", action="store_true", help="shapes vLLM's own CPU ops take")
+    ap.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
+    args = ap.parse_args(argv)
+    hf_model(args.arch, args.seed, tied=args.tied, stock_shapes=args.stock_shapes, scale=args.scale) \
+        .save_pretrained(args.out)
+    print(f"wrote {args.out} ({classes(args.arch)[1].__name__})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
