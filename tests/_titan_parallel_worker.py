@@ -304,68 +304,74 @@ def hybrid_config():
 
 
 def run_tp_hybrid(res: dict) -> None:
-    """The GDN hybrid (tp_leaves = 4) at TP = world vs TitanModel at TP = 1 and vs the model
-    file built directly (= the rollout engine's model), fp32 and bf16, on several batch
-    compositions; the meta-init order; gradients through the sharded GDN close to TP = 1."""
-    from titan_rl.models import qwen3_hybrid
+    """The GDN hybrids (tp_leaves = 4): ours and Qwen3-Next (gated attention, routed experts
+    with a shared expert) at TP = world vs TitanModel at TP = 1 and vs the model file built
+    directly (= the rollout engine's model), fp32 and bf16, on several batch compositions;
+    the meta-init order; gradients through the sharded GDN close to TP = 1."""
+    from titan_rl.models import qwen3_hybrid, qwen3_next
 
     pd = parallel_dims(1, dist.get_world_size())
-    cfg, options = hybrid_config(), ModelOptions(tp_leaves=4)
+    options = ModelOptions(tp_leaves=4)
     seed = int(os.environ.get("TITAN_TEST_SEED", "7"))
-    g = torch.Generator().manual_seed(seed)
-    batches = [torch.randint(0, cfg.vocab_size, shape, generator=g) for shape in ((3, 37), (1, 61), (5, 9))]
+    cases = {"hybrid": ("qwen3_hybrid", "debug_hybrid", hybrid_config(), qwen3_hybrid.build),
+             "next": ("qwen3_next", "debug_qwen3_next", qwen3_next.FLAVORS["debug_qwen3_next"], qwen3_next.build)}
+    for name, (arch, flavor, cfg, build_file) in cases.items():
+        g = torch.Generator().manual_seed(seed)
+        batches = [torch.randint(0, cfg.vocab_size, shape, generator=g) for shape in ((3, 37), (1, 61), (5, 9))]
 
-    def titan(meta: bool = False):
-        mc = model_config("qwen3_hybrid", "debug_hybrid", options, model_config=cfg, init_seed=SEED, init_std=0.05)
-        if meta:
-            with torch.device("meta"):
-                return mc.build()
-        return mc.build().init_weights()
+        def titan(meta: bool = False):
+            mc = model_config(arch, flavor, options, model_config=cfg, init_seed=SEED, init_std=0.05)
+            if meta:
+                with torch.device("meta"):
+                    return mc.build()
+            return mc.build().init_weights()
 
-    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        ref = titan().to(dtype)
-        direct = qwen3_hybrid.build(cfg, options)
-        direct.load_state_dict(ref.state_dict())
-        direct.to(dtype)
-        m = titan().to(dtype)
-        parallelize_fn(m, parallel_dims=pd)
-        eq_ref, eq_direct, diff = True, True, 0.0
+        for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            ref = titan().to(dtype)
+            direct = build_file(cfg, options)
+            direct.load_state_dict(ref.state_dict())
+            direct.to(dtype)
+            m = titan().to(dtype)
+            parallelize_fn(m, parallel_dims=pd)
+            eq_ref, eq_direct, diff = True, True, 0.0
+            with torch.no_grad():
+                for tok in batches:
+                    want, got, file_ = ref(tok), m(tok), direct(tok)
+                    eq_ref &= torch.equal(got, want)
+                    eq_direct &= torch.equal(want, file_)
+                    diff = max(diff, maxdiff(got, want))
+            res[f"{name}_tp_{tag}_forward_equal"] = eq_ref
+            res[f"{name}_tp_{tag}_forward_maxdiff"] = diff
+            res[f"{name}_tp_{tag}_vs_model_file_equal"] = eq_direct
+        gdn = m.model.layers[0].linear_attn
+        res[f"{name}_tp_local_heads"] = [gdn.hk, gdn.hv, int(gdn.in_proj_qkvz.weight.to_local().shape[0])]
+        if name == "next":  # routing varies, so equal logits mean equal experts too
+            res["next_tp_distinct_routes"] = len({tuple(r.tolist()) for r in m.last_own_routes[0]})
+
+        # the Trainer's order: meta build -> parallelize -> to_empty -> init_weights
+        mm = titan(meta=True)
+        parallelize_fn(mm, parallel_dims=pd)
+        mm.to_empty(device="cpu")
+        mm.init_weights()
+        ref = titan()
         with torch.no_grad():
-            for tok in batches:
-                want, got, file_ = ref(tok), m(tok), direct(tok)
-                eq_ref &= torch.equal(got, want)
-                eq_direct &= torch.equal(want, file_)
-                diff = max(diff, maxdiff(got, want))
-        res[f"hybrid_tp_{tag}_forward_equal"] = eq_ref
-        res[f"hybrid_tp_{tag}_forward_maxdiff"] = diff
-        res[f"hybrid_tp_{tag}_vs_model_file_equal"] = eq_direct
-    gdn = m.model.layers[0].linear_attn
-    res["hybrid_tp_local_heads"] = [gdn.hk, gdn.hv, int(gdn.in_proj_qkvz.weight.to_local().shape[0])]
+            res[f"{name}_tp_meta_init_forward_equal"] = all(torch.equal(mm(t), ref(t)) for t in batches)
 
-    # the Trainer's order: meta build -> parallelize -> to_empty -> init_weights
-    mm = titan(meta=True)
-    parallelize_fn(mm, parallel_dims=pd)
-    mm.to_empty(device="cpu")
-    mm.init_weights()
-    ref = titan()
-    with torch.no_grad():
-        res["hybrid_tp_meta_init_forward_equal"] = all(torch.equal(mm(t), ref(t)) for t in batches)
-
-    # backward through the sharded GDN (sliced conv / A_log / dt_bias, gated norm, copy_to_tp)
-    tok = batches[0]
-    n_tok = tok[:, 1:].numel()
-    (ce_loss_sum(mm(tok), tok) / n_tok).backward()
-    (ce_loss_sum(ref(tok), tok) / n_tok).backward()
-    gdiff, gscale, missing = 0.0, 0.0, []
-    for (name, p), q in zip(mm.named_parameters(), ref.parameters()):
-        if p.grad is None:
-            missing.append(name)
-            continue
-        gdiff = max(gdiff, maxdiff(full(p.grad), q.grad))
-        gscale = max(gscale, q.grad.abs().max().item())
-    res["hybrid_tp_grad_maxdiff"] = gdiff
-    res["hybrid_tp_grad_scale"] = gscale
-    res["hybrid_tp_grad_missing"] = missing
+        # backward through the sharded GDN (sliced conv / A_log / dt_bias, gated norm, copy_to_tp)
+        tok = batches[0]
+        n_tok = tok[:, 1:].numel()
+        (ce_loss_sum(mm(tok), tok) / n_tok).backward()
+        (ce_loss_sum(ref(tok), tok) / n_tok).backward()
+        gdiff, gscale, missing = 0.0, 0.0, []
+        for (pname, p), q in zip(mm.named_parameters(), ref.parameters()):
+            if p.grad is None:
+                missing.append(pname)
+                continue
+            gdiff = max(gdiff, maxdiff(full(p.grad), q.grad))
+            gscale = max(gscale, q.grad.abs().max().item())
+        res[f"{name}_tp_grad_maxdiff"] = gdiff
+        res[f"{name}_tp_grad_scale"] = gscale
+        res[f"{name}_tp_grad_missing"] = missing
 
 
 def run_engine_tp(res: dict, out_dir: str) -> None:
@@ -377,7 +383,7 @@ def run_engine_tp(res: dict, out_dir: str) -> None:
     import titan_rl.vllm  # noqa: F401  (vLLM's environment, before vllm is imported)
     from titan_rl.checkpoint import save_hf_folder
     from titan_rl.kernels import log_softmax_fp32
-    from titan_rl.models import qwen3, qwen3_hybrid
+    from titan_rl.models import qwen3, qwen3_hybrid, qwen3_next
     from titan_rl.vllm.engine import engine_model, make_llm, update_weights
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -387,6 +393,7 @@ def run_engine_tp(res: dict, out_dir: str) -> None:
     cases = {
         "dense": ("qwen3", qwen3.FLAVORS["debug"], qwen3.build),
         "hybrid": ("qwen3_hybrid", hybrid_config(), qwen3_hybrid.build),
+        "next": ("qwen3_next", qwen3_next.FLAVORS["debug_qwen3_next"], qwen3_next.build),
     }
     dtypes = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
     for tag, (arch, cfg, build_file) in cases.items():
@@ -528,7 +535,8 @@ def run_det_fsdp(res: dict) -> None:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "solo"))
     cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
-             ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None)]
+             ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None),
+             ("next", "qwen3_next", "debug_qwen3_next", None), ("q35", "qwen3_5", "debug_qwen35", None)]
     for tag, arch, flavor, dtype in cases:
         init = {n: p.detach().clone() for n, p in
                 model_config(arch, flavor, init_seed=SEED).build().init_weights().named_parameters()}
@@ -545,7 +553,7 @@ def run_det_fsdp(res: dict) -> None:
 DET_TP_LEAVES = 8
 
 
-def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe", "hybrid")) -> None:
+def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe", "hybrid", "next")) -> None:
     """TP = 2 (FSDP = world / 2: 1 on two ranks, 2 on four) and one process (TP = 1), both
     with tp_leaves > 0 and the leaf-tree reduction, train the same global batch: the
     weights after DET_STEPS steps are torch.equal (fixed-shape backward pieces, fixed
@@ -556,10 +564,12 @@ def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe",
     solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "solo"))["solo"]
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
-             ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None)]
+             ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None),
+             ("next", "qwen3_next", "debug_qwen3_next", None)]
     for tag, arch, flavor, dtype in (case for case in cases if case[0] in tags):
-        one = det_train(arch, flavor, solo, True, dtype, tp_leaves=DET_TP_LEAVES)
-        tp = det_train(arch, flavor, mesh["dp"], True, dtype, tp_mesh=mesh["tp"], tp_leaves=DET_TP_LEAVES)
+        leaves = 4 if tag == "next" else DET_TP_LEAVES  # its odd flavor: 2 x 6 value heads in in_proj_ba
+        one = det_train(arch, flavor, solo, True, dtype, tp_leaves=leaves)
+        tp = det_train(arch, flavor, mesh["dp"], True, dtype, tp_mesh=mesh["tp"], tp_leaves=leaves)
         res[f"dettp_{tag}_equal"] = all(torch.equal(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_maxdiff"] = max(maxdiff(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_differ"] = sorted(n for n in one if not torch.equal(tp[n], one[n]))[:8]

@@ -196,6 +196,29 @@ def test_silu_mul_matches_reference_and_is_row_invariant(width, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [36, 200, 328])
+def test_silu_mul_gradient_is_the_same_on_a_tp_ranks_half_of_the_columns(width, dtype, rng):
+    """A TP rank computes silu(gate) * up on its half of the columns (and on any number of
+    rows): each element's gradient must be the unsharded call's bits."""
+    from titan_rl.kernels.elementwise import silu_mul
+
+    g, u, w = (torch.randn(37, width, generator=rng).to(dtype) for _ in range(3))
+
+    def grads(cols, rows):
+        gg, uu = g[rows, cols].clone().requires_grad_(), u[rows, cols].clone().requires_grad_()
+        (silu_mul(gg, uu).float() * w[rows, cols].float()).sum().backward()
+        return gg.grad, uu.grad
+
+    full = grads(slice(None), slice(None))
+    h = width // 2
+    for cols in (slice(0, h), slice(h, None)):
+        for rows in (slice(None), slice(0, 5), slice(3, 29)):
+            part = grads(cols, rows)
+            for a, b in zip(part, full):
+                assert torch.equal(a, b[rows, cols]), (cols, rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_matches_reference_and_its_gradient(dtype, rng):
     from titan_rl.kernels.elementwise import rope
     from titan_rl.kernels.elementwise.reference import rope_error_bound, rope_reference

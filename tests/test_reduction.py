@@ -9,7 +9,7 @@ import pytest
 import torch
 from _threads import threads
 
-from titan_rl.kernels.reduction import LANES, fixed_sum
+from titan_rl.kernels.reduction import LANES, broadcast_rows, fixed_sum
 from titan_rl.kernels.reduction.reference import sum_reference
 
 THREADS = [1, 2] + ([4] if (os.cpu_count() or 1) >= 4 else [])
@@ -78,3 +78,23 @@ def test_torch_sum_does_depend_on_threads_here():
             differ += not torch.equal(a, x.sum())
     if not differ:
         pytest.skip("torch.sum gave the same bits at 1 and 2 threads for all 10 tensors")
+
+
+@pytest.mark.parametrize("n", [1, 37, 3001])
+def test_a_broadcast_parameters_gradient_does_not_depend_on_its_width(n, rng):
+    """A per-head parameter broadcast over n tokens: its gradient is a fixed sum over the
+    tokens, the same bits for all heads or for a TP rank's half of them (autograd's own
+    broadcast reduction changes order with the width), and close to the fp64 sum."""
+    p = torch.randn(6, generator=rng, dtype=torch.float64).float()
+    w = torch.randn(n, 6, generator=rng)
+
+    def grad(cols):
+        q = p[cols].clone().requires_grad_()
+        (broadcast_rows(q, n) * w[:, cols]).sum().backward()
+        return q.grad
+
+    full = grad(slice(None))
+    assert torch.equal(torch.cat([grad(slice(0, 3)), grad(slice(3, 6))]), full)
+    assert torch.equal(grad(slice(2, 3)), full[2:3])
+    torch.testing.assert_close(full.double(), w.double().sum(0), rtol=1e-5, atol=1e-5 * n ** 0.5)
+    assert torch.equal(broadcast_rows(p, n), p.expand(n, 6))

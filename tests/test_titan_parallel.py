@@ -109,30 +109,35 @@ def hybrid_and_engine_tp(tmp_path_factory) -> dict:
                   env_extra={"TITAN_TEST_SEED": str(seed)})
 
 
-def test_tp2_hybrid_forward_is_bitwise(hybrid_and_engine_tp):
-    """The GDN hybrid at TP = 2 (heads sharded: q/k/v/z/b/a column blocks, conv channels and
-    per-head parameters sliced, out_proj through the K-leaf tree) == TitanModel at TP = 1
-    == the model file the rollout engine builds, fp32 and bf16, fresh tokens in three batch
-    compositions (odd sizes: hidden 200, vocab 997, 3 value heads per key head)."""
+@pytest.mark.parametrize("name", ["hybrid", "next"])
+def test_tp2_hybrid_forward_is_bitwise(hybrid_and_engine_tp, name):
+    """The GDN hybrids at TP = 2 (heads sharded: q/k/v/z/b/a column blocks, conv channels and
+    per-head parameters sliced, out_proj through the K-leaf tree), ours and Qwen3-Next (its
+    gated attention's q_proj rows are whole heads of query and gate; every expert and the
+    shared expert split like an MLP) == TitanModel at TP = 1 == the model file the rollout
+    engine builds, fp32 and bf16, fresh tokens in three batch compositions (odd sizes:
+    hidden 200, vocab 997, 3 value heads per key head)."""
     r = hybrid_and_engine_tp
-    assert r["hybrid_tp_local_heads"] == [1, 3, 160]  # a rank computes 1 key head, 3 value heads
+    assert r[f"{name}_tp_local_heads"] == [1, 3, 160]  # a rank computes 1 key head, 3 value heads
     for tag in ("fp32", "bf16"):
-        assert r[f"hybrid_tp_{tag}_forward_equal"], r[f"hybrid_tp_{tag}_forward_maxdiff"]
-        assert r[f"hybrid_tp_{tag}_vs_model_file_equal"]
-    assert r["hybrid_tp_meta_init_forward_equal"]
+        assert r[f"{name}_tp_{tag}_forward_equal"], r[f"{name}_tp_{tag}_forward_maxdiff"]
+        assert r[f"{name}_tp_{tag}_vs_model_file_equal"]
+    assert r[f"{name}_tp_meta_init_forward_equal"]
+    if name == "next":
+        assert r["next_tp_distinct_routes"] > 2  # routing varies, so equal logits mean equal experts
     # every parameter gets a gradient, close to TP = 1's (the reduction order differs)
-    assert r["hybrid_tp_grad_missing"] == []
-    assert r["hybrid_tp_grad_maxdiff"] < 1e-5 * max(1.0, r["hybrid_tp_grad_scale"])
+    assert r[f"{name}_tp_grad_missing"] == []
+    assert r[f"{name}_tp_grad_maxdiff"] < 1e-5 * max(1.0, r[f"{name}_tp_grad_scale"])
 
 
 def test_engine_tp2_equals_trainer_tp2_and_the_model_file(hybrid_and_engine_tp):
     """vLLM at tensor_parallel_size = 2 (external launcher under torchrun: an engine rank
     per process, our wrapper sharded with the trainer's plan and leaf tree) records the
     log-probs of the model file (= engine TP = 1, tests/test_tp_leaves.py) and of the
-    trainer at TP = 2, bit for bit: dense and GDN hybrid, fp32 and bf16, before and after a
+    trainer at TP = 2, bit for bit: dense, our GDN hybrid and Qwen3-Next, fp32 and bf16, before and after a
     weight update (full tensors in, each rank keeps its slice)."""
     r = hybrid_and_engine_tp
-    for arch, q_rows in (("dense", 128), ("hybrid", 64)):  # a rank holds half of q_proj
+    for arch, q_rows in (("dense", 128), ("hybrid", 64), ("next", 128)):  # a rank holds half of q_proj
         for dtype in ("fp32", "bf16"):
             key = f"engine_tp_{arch}_{dtype}"
             assert r[f"{key}_local_q_rows"] == q_rows
@@ -176,16 +181,17 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     """Leaf-tree reduction (titan_rl.titan.leaf_reduction): the global batch cut into 4
     gradient leaves, summed by one fixed tree over leaves and ranks; 3 steps of clipping +
     AdamW at FSDP = 2 and FSDP = 1 give torch.equal weights, dense (fp32 and bf16 compute),
-    MoE and hybrid. Today's reduction (one backward per rank, the collective's sum) on the
-    same fixed batches differs, so the equality is the mechanism's doing.
+    MoE, our hybrid, Qwen3-Next and Qwen3.5. Today's reduction (one backward per rank, the collective's sum) on the
+    same fixed batches differs, so the equality is the mechanism's doing. Qwen3-Next and
+    Qwen3.5 (no TP plan yet) are in both.
     In the same launch, TP = 2 against one process, both with tp_leaves = 8 (fixed-shape
     backward pieces, fixed trees over column blocks and heads): torch.equal weights too."""
-    r = launch("det_fsdp+det_tp", 2, tmp_path, timeout=300)
-    for tag in ("dense", "dense_bf16", "moe", "hybrid"):
+    r = launch("det_fsdp+det_tp", 2, tmp_path, timeout=400)
+    for tag in ("dense", "dense_bf16", "moe", "hybrid", "next", "q35"):
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
         assert r[f"det_{tag}_moved"] > 1e-3  # the steps changed the weights
-    assert not all(r[f"plain_{tag}_equal"] for tag in ("dense", "dense_bf16", "moe", "hybrid"))
-    for tag in ("dense", "dense_bf16", "moe", "hybrid"):
+    assert not all(r[f"plain_{tag}_equal"] for tag in ("dense", "dense_bf16", "moe", "hybrid", "next", "q35"))
+    for tag in ("dense", "dense_bf16", "moe", "hybrid", "next"):
         assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
     assert r["det_min_clip_scale"] < 1 and r["dettp_min_clip_scale"] < 1  # clipping was active
 

@@ -8,8 +8,9 @@ the row counts 1..50 changed a row's F.silu bits), a row's activation then depen
 how many rows share the call.
 
 * `silu_mul(gate, up)` = silu(gate) * up: compiled (kernels/csrc/elementwise.cpp), every
-  element through the same IEEE operations and polynomial exp. Backward in torch (only
-  the forward must match the engine).
+  element through the same IEEE operations and polynomial exp. Backward in torch with its
+  sigmoid through `lane_stable`: a TP rank holds half of each row, and its gradient must
+  be the unsharded one's bits (training is layout-invariant, not only the forward).
 * RoPE: cos/sin come from a per-process table built in chunks of exactly TABLE_CHUNK
   positions (every chunk one call of the same shape, so a position's cos/sin bits are
   the same whichever forward first needed it); the rotation (multiplies and adds) is one
@@ -33,9 +34,11 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        from titan_rl.kernels.gdn.torch_impl import lane_stable
+
         gate, up = ctx.saved_tensors
         g = gate.float()
-        sig = torch.sigmoid(g)
+        sig = lane_stable(torch.sigmoid, g)  # the rest are IEEE multiplies and adds
         silu = g * sig
         gf = grad.float()
         d_gate = gf * up.float() * sig * (1 + g * (1 - sig))

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from titan_rl.kernels.gdn.chunked import gdn_chunked
 from titan_rl.kernels.gdn.inputs import check_shapes, compute_dtype, sequence_lengths
+from titan_rl.kernels.reduction import broadcast_rows
 
 LANES = 64  # lane_stable pads rows to a multiple of this (a multiple of every SIMD width)
 PIECE = 4096  # lane_stable calls fn on pieces of exactly this many elements (see there)
@@ -262,7 +263,7 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
     w = weight.to(cdt)
     y = None
     for i in range(K):  # fixed order i = 0..K-1
-        term = ext[tok_e - H + i] * w[:, i]
+        term = ext[tok_e - H + i] * broadcast_rows(w[:, i], T)  # its gradient: a fixed sum over T
         y = term if y is None else y + term
     if y is None:
         y = ext[tok_e]

@@ -55,3 +55,21 @@ def fixed_sum(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     rows = -(-n // width)
     x = F.pad(x, (0, rows * width - n))
     return _rows_tree(_lanes_tree(x.reshape(*x.shape[:-1], rows, width)).movedim(-1, 0))
+
+
+class _BroadcastRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, n):
+        return p.expand(n, *p.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return fixed_sum(grad, dim=0), None
+
+
+def broadcast_rows(p: torch.Tensor, n: int) -> torch.Tensor:
+    """p [...] as [n, ...] (an expanded view) whose gradient is summed over the n rows by
+    `fixed_sum`: the order depends on n alone. Autograd's own broadcast reduction does not:
+    its order changes with p's width, so a per-head or per-channel parameter on a TP rank
+    (half the heads) would get other gradient bits than unsharded."""
+    return _BroadcastRows.apply(p, n)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_rl.kernels.gdn import causal_conv1d
+from titan_rl.kernels.reduction import broadcast_rows
 from titan_rl.models.layers import AttentionFn, Linear, RMSNorm
 from titan_rl.models.ops import Ops
 from titan_rl.models.qwen3.model import MLP, Attention, Qwen3ForCausalLM
@@ -138,8 +139,9 @@ class GatedDeltaNet(nn.Module):
         k = ops.gdn_l2norm(k.reshape(n, hk, dk))
         v = v.reshape(n, hv, dv)
         beta = ops.elementwise(torch.sigmoid, b.reshape(n, hv).float())
-        decay = ops.elementwise(torch.exp, A_log.float())
-        g = -decay * ops.elementwise(F.softplus, a.reshape(n, hv).float() + dt_bias.float())
+        # per-head parameters broadcast over tokens: gradients by a fixed sum over the n tokens
+        decay = broadcast_rows(ops.elementwise(torch.exp, A_log.float()), n)
+        g = -decay * ops.elementwise(F.softplus, a.reshape(n, hv).float() + broadcast_rows(dt_bias.float(), n))
         o, rec1 = ops.gdn_recurrence(q, k, v, g, beta, cu, rec0, scale=1.0 / math.sqrt(dk))
         state.store(self.layer_idx, conv1, rec1)
 
