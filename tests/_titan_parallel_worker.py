@@ -658,7 +658,6 @@ def run_trainer(res: dict) -> None:
     )
     cpu_compat.trainer_overrides(config)
     trainer = Trainer(config)
-    losses = []
     orig = trainer.train_step
 
     def train_step(it):

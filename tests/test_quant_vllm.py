@@ -126,7 +126,9 @@ def test_stock_engine_refuses_a_recipe_vllm_cannot_run_online(tmp_path):
 
 
 @pytest.mark.parametrize("arch, flavor, recipe", [("qwen3_moe", "debug_moe", "mxfp8"),
-                                                  ("qwen3_hybrid", "debug_hybrid", "nvfp4")])
+                                                  ("qwen3_hybrid", "debug_hybrid", "nvfp4"),
+                                                  ("qwen3_next", "debug_qwen3_next", "fp8_rowwise"),
+                                                  ("qwen3_5", "debug_qwen35", "fp8_rowwise")])
 def test_moe_and_hybrid_engines_hold_the_recipe_and_record_the_trainers_logprobs(tmp_path, arch, flavor, recipe,
                                                                               seed, rng):
     """The real engine (routed experts, GDN layers) on a quantized checkpoint: payload and
@@ -144,7 +146,7 @@ def test_moe_and_hybrid_engines_hold_the_recipe_and_record_the_trainers_logprobs
     try:
         held = [m for m in engine_model(llm).modules() if getattr(m, "qweight", None) is not None]
         assert held and {m.qweight.recipe for m in held} == {recipe}
-        prompts = _prompts(rng, [23, 2, 61, 9])
+        prompts = _prompts(rng, [23, 2, 61, 9], vocab=trainer.cfg.vocab_size)
         _assert_equal(trainer, prompts, _gen(llm, prompts))
         state = {k: v + 0.02 * torch.randn(v.shape, generator=rng).to(v.dtype) for k, v in trainer.state_dict().items()}
         trainer.load_state_dict(state)
