@@ -9,9 +9,9 @@ stock bf16: the same command with `--kernels both` on a folder of the shapes vLL
     ops take (titan_rl.hf_reference --stock-shapes): vLLM's built-in model and its CPU GDN
     op against our model in plain torch; also exact on that folder.
 stock fp32: vLLM's CPU GDN op refuses fp32 ("CPU GDN attention requires BF16."), so the
-    fp32 stock pair is transformers' own: its chunked forward over the whole sequence
-    (the trainer's pass) against its recurrent cached decode that sampled it (the
-    sampler's), on the odd-sized folder.
+    parity command's stock column is transformers' own pair (titan_rl.stock_pair): its
+    recurrent cached decode samples, its chunked forward over the whole sequence rescores,
+    on the odd-sized folder.
 For each stock pair: max and mean |dlogp| over the sampled tokens and by position slice
 (where in the sequence the mismatch grows). Prints a table, writes JSON.
 """
@@ -58,44 +58,12 @@ def run_parity(folder: str, dtype: str, kernels: str, n: int, work: str) -> dict
         return {r["engine"]: r for r in json.load(f)["results"]}
 
 
-def transformers_pair(folder: str, n: int, max_new: int = 64, seed: int = 0) -> dict:
-    """transformers' cached decode samples (its recurrent GDN step per token, log-probs from
-    its raw logits), its chunked forward rescores the whole sequence; fp32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    errs, poss = [], []
-    with torch.no_grad():
-        for i in range(n):
-            plen = int(torch.randint(4, 201, (1,), generator=g))
-            prompt = torch.randint(0, vocab, (1, plen), generator=g)
-            torch.manual_seed(seed * 1000 + i)
-            out = model.generate(prompt, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=max_new,
-                                 min_new_tokens=max_new, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=0, eos_token_id=None)
-            toks = out.sequences[0, plen:]
-            mu = torch.stack([lg[0].float().log_softmax(-1)[t] for lg, t in zip(out.logits, toks)])
-            full = model(input_ids=out.sequences).logits[0, plen - 1:-1].float().log_softmax(-1)
-            pi = full.gather(-1, toks[:, None])[:, 0]
-            errs.append((pi - mu).abs().double())
-            poss.append(torch.arange(len(toks)))
-    err, pos = torch.cat(errs), torch.cat(poss)
-    return {"tokens": int(err.numel()), "bitwise_fraction": float((err == 0).double().mean()),
-            "max_abs_dlogp": float(err.max()), "mean_abs_dlogp": float(err.mean()), "by_position": by_position(pos, err)}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--fallback-prompts", type=int, default=12, help="prompts of the transformers fp32 pair")
     ap.add_argument("--json", default="outputs/parity_hybrids.json")
     args = ap.parse_args(argv)
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # a line per folder written or read
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     rows = {}
     with tempfile.TemporaryDirectory() as work:
@@ -103,14 +71,15 @@ def main(argv=None) -> int:
             odd, stock = os.path.join(work, f"{arch}_odd"), os.path.join(work, f"{arch}_stock")
             hf_model(arch, 0, scale=0.2).save_pretrained(odd)
             hf_model(arch, 0, scale=0.2, stock_shapes=True).save_pretrained(stock)
-            row = {"exact_fp32": run_parity(odd, "float32", "exact", args.num_prompts, work)["exact"],
-                   "exact_bf16": run_parity(odd, "bfloat16", "exact", args.num_prompts, work)["exact"]}
+            fp32 = run_parity(odd, "float32", "both", args.num_prompts, work)  # stock: transformers' pair
+            row = {"exact_fp32": fp32["exact"], "exact_bf16": run_parity(odd, "bfloat16", "exact", args.num_prompts,
+                                                                          work)["exact"]}
             both = run_parity(stock, "bfloat16", "both", args.num_prompts, work)
             row["exact_bf16_stock_shapes"] = both["exact"]
-            s = both["stock"]
-            s["by_position"] = by_position(torch.tensor(s["position"]), torch.tensor(s["log_ratio"]).abs())
-            row["stock_bf16_vllm"] = s
-            row["stock_fp32_transformers"] = transformers_pair(odd, args.fallback_prompts)
+            row["stock_bf16_vllm"], row["stock_fp32_transformers"] = both["stock"], fp32["stock"]
+            for c in ("stock_bf16_vllm", "stock_fp32_transformers"):
+                r = row[c]
+                r["by_position"] = by_position(torch.tensor(r["position"]), torch.tensor(r["log_ratio"]).abs())
             for r in row.values():  # per-token arrays are not needed in the summary
                 for k in ("log_ratio", "pi", "mu", "position", "entropy", "contract"):
                     r.pop(k, None)

@@ -93,5 +93,5 @@ def test_a_folder_of_vision_weights_only_is_refused(folders, tmp_path, capsys):
 
 
 def test_a_model_len_past_the_models_positions_is_named(folders, tmp_path, capsys):
-    _both_refuse(["--model.name=auto", f"--model.checkpoint={folders / 'qwen3_5'}", "--rollout.max_model_len=1024"],
-                 r"rollout.max_model_len = 1024 exceeds the model's max_position_embeddings = 512", capsys, tmp_path)
+    _both_refuse(["--model.name=auto", f"--model.checkpoint={folders / 'qwen3_5'}", "--rollout.max_model_len=8192"],
+                 r"rollout.max_model_len = 8192 exceeds the model.s max_position_embeddings = 4096", capsys, tmp_path)

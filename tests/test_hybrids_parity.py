@@ -1,7 +1,8 @@
 """The parity command on folders transformers writes for Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
 (`--model.name=auto`): exact is bitwise (sampled tokens and full-vocab rows) in fp32 and
 bf16 at odd sizes; the stock column is vLLM's own implementation (its CPU GDN op, bf16
-only, at the shapes it takes: titan_rl.hf_reference --stock-shapes) and is not zero."""
+only, at the shapes it takes: titan_rl.hf_reference --stock-shapes) or, where those ops
+cannot run the folder, transformers' own decode-vs-forward pair; neither is zero."""
 
 import json
 
@@ -30,12 +31,19 @@ def _parity(tmp_path, folder, dtype, kernels, seed):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_transformers_folder_is_bitwise_in_fp32_at_odd_sizes(tmp_path, arch, seed, monkeypatch):
+    """The issue's command as a user runs it (`--kernels both`, fp32, odd sizes): exact is
+    bitwise; vLLM's CPU ops cannot run this folder, so the stock column is transformers'
+    own decode-vs-forward pair, which is not."""
     monkeypatch.chdir(parity.__file__.rsplit("/titan_rl/", 1)[0])
     hf_model(arch, seed % 2**31, scale=0.2).save_pretrained(tmp_path / "hf")
-    exact = _parity(tmp_path, tmp_path / "hf", "float32", "exact", seed)["exact"]
+    res = _parity(tmp_path, tmp_path / "hf", "float32", "both", seed)
+    exact, stock = res["exact"], res["stock"]
     assert exact["tokens"] > 0 and exact["full_vocab_positions"] > 0
     assert exact["max_abs_dlogp"] == 0 and exact["full_vocab_max_abs_dlogp"] == 0 and exact["bitwise_fraction"] == 1
     assert exact["contract"]["differs"] == []
+    assert stock["stock_source"].startswith("transformers decode vs forward: model dtype 'float32'")
+    assert stock["tokens"] == exact["tokens"] and stock["max_abs_dlogp"] > 0 and stock["bitwise_fraction"] < 1
+    assert stock["full_vocab_positions"] == exact["full_vocab_positions"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,12 +58,10 @@ def test_bf16_exact_is_bitwise_and_stock_is_vllms_own_and_not(tmp_path, arch, se
     assert stock["max_abs_dlogp"] > 0 and stock["bitwise_fraction"] < 1
 
 
-def test_stock_is_refused_in_one_line_where_vllms_cpu_ops_cannot_run(tmp_path, capsys, monkeypatch):
+def test_stock_without_a_folder_is_refused_in_one_line_where_vllms_cpu_ops_cannot_run(capsys, monkeypatch):
     monkeypatch.chdir(parity.__file__.rsplit("/titan_rl/", 1)[0])
-    hf_model("qwen3_next", 0).save_pretrained(tmp_path)  # odd sizes, fp32
-    capsys.readouterr()  # transformers' progress bar
-    rc = parity.main(["--config", "train_configs/debug_hybrid.toml", "--kernels", "both", "--model.name=auto",
-                      f"--model.checkpoint={tmp_path}", "--model.dtype=float32", "--rollout.max_model_len=512"])
+    rc = parity.main(["--config", "train_configs/debug_hybrid.toml", "--kernels", "both", "--model.name=qwen3_next",
+                      "--model.flavor=debug_qwen3_next", "--model.dtype=float32"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     for part in ("model dtype 'float32'", "linear_conv_kernel_dim = 3", "(32, 16)", "hidden_size = 200"):

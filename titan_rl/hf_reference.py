@@ -17,7 +17,7 @@ import torch
 
 ODD = dict(vocab_size=997, hidden_size=200, intermediate_size=328, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
-           linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=3, max_position_embeddings=512)
+           linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=3, max_position_embeddings=4096)
 MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=72, shared_expert_intermediate_size=88)
 STOCK = dict(linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64)
 STOCK_MOE = dict(hidden_size=224)

@@ -181,6 +181,24 @@ def spec_config(cfg, folder):
         return get_architecture(cfg.model.name).config_from_hf(json.load(f))
 
 
+def run_transformers_pair(cfg, folder, prompts, seed: int, reason: str, progress=print,
+                          with_detail: bool = False) -> dict:
+    """The stock column where vLLM's CPU ops cannot run the folder (titan_rl.stock_pair)."""
+    from titan_rl.stock_pair import sample_and_rescore
+
+    progress(f"[stock] vLLM's built-in CPU ops cannot run this folder ({reason}): the stock pair is "
+             f"transformers' cached decode (sampler) vs its full forward (trainer); sampling {len(prompts)} prompts")
+    t0 = time.perf_counter()
+    rollout, sides = sample_and_rescore(folder, cfg, prompts, seed, cfg.parity.full_vocab_prompts)
+    scores = Scores(routes=None, **sides)
+    result = {"engine": "stock", "stock_source": f"transformers decode vs forward: {reason}",
+              **compare(rollout, scores)}
+    if with_detail:
+        result.update(detail(rollout, scores))
+    result["rollout_seconds"] = round(time.perf_counter() - t0, 3)
+    return result
+
+
 def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=print,
                with_detail: bool = False) -> dict:
     from titan_rl.checkpoint import load_hf_folder
@@ -235,9 +253,12 @@ def print_table(results: list[dict], file=None) -> None:
         print(f"{k:34s}" + "".join(cells), file=file)
 
 
-def _check_stock(cfg) -> None:
-    """vLLM's own CPU ops take only some shapes and dtypes (titan_rl.vllm.engine.stock_cpu_problem):
-    refused here, before any engine starts."""
+def _stock_fallback(cfg) -> str:
+    """Why the stock column cannot be vLLM's own model ("" when it can). vLLM's CPU ops take
+    only some shapes and dtypes (titan_rl.vllm.engine.stock_cpu_problem); for a checkpoint
+    folder transformers can run, its own prefill/decode pair is the stock column then
+    (titan_rl.stock_pair), and without a folder the run is refused here, before any engine
+    starts."""
     from titan_rl.errors import ConfigError
     from titan_rl.vllm.engine import stock_cpu_problem
 
@@ -247,10 +268,11 @@ def _check_stock(cfg) -> None:
                           "it (its HF architecture is our own wrapper); use --kernels exact")
     arch_cfg = config_mod.model_config(cfg)
     problem = arch_cfg is not None and stock_cpu_problem(spec, arch_cfg, cfg.model.dtype)
-    if problem:
-        where = f"model.checkpoint {cfg.model.checkpoint!r}" if cfg.model.checkpoint else f"model.flavor {cfg.model.flavor!r}"
-        raise ConfigError(f"--kernels stock for model.name {cfg.model.name!r} ({where}): vLLM's built-in CPU ops cannot "
-                          f"run it: {problem}; use --kernels exact, or a folder they take")
+    if problem and not cfg.model.checkpoint:
+        raise ConfigError(f"--kernels stock for model.name {cfg.model.name!r} (model.flavor {cfg.model.flavor!r}): "
+                          f"vLLM's built-in CPU ops cannot run it: {problem}; use --kernels exact, or a "
+                          "model.checkpoint folder (then transformers' own decode-vs-forward pair is the stock column)")
+    return problem or ""
 
 
 def main(argv=None) -> int:
@@ -279,8 +301,7 @@ def main(argv=None) -> int:
             raise ConfigError(
                 f"quantization.recipe = {stock_recipe!r} with --kernels {args.kernels or cfg.model.kernels}: the stock "
                 f"engine has no online form of it; allowed with stock kernels: {['none', *STOCK_QUANTIZATION]}")
-        if (args.kernels or cfg.model.kernels) in ("stock", "both"):
-            _check_stock(cfg)
+        fallback = _stock_fallback(cfg) if (args.kernels or cfg.model.kernels) in ("stock", "both") else ""
         if args.num_prompts is not None and args.num_prompts < 1:
             raise UserError(f"--num-prompts = {args.num_prompts}: must be >= 1")
         if cfg.model.checkpoint:  # strictly, before vLLM's loader (its errors name no file)
@@ -298,8 +319,13 @@ def main(argv=None) -> int:
         folder = build_weights(cfg, work)
         vocab = spec_config(cfg, folder).vocab_size
         prompts = make_prompts(cfg, vocab, n, seed)
-        results = [run_engine(cfg, folder, k, prompts, seed, with_detail=args.detail) for k in modes]
+        results = [run_transformers_pair(cfg, folder, prompts, seed, fallback, with_detail=args.detail)
+                   if k == "stock" and fallback else run_engine(cfg, folder, k, prompts, seed, with_detail=args.detail)
+                   for k in modes]
     print_table(results)
+    for r in results:
+        if "stock_source" in r:
+            print(f"stock column: {r['stock_source']}")
     doc = {"config": asdict(cfg), "seed": seed, "num_prompts": n, "results": results,
            **{k: v for k, v in results[0].items()}}
     if args.json:

@@ -16,6 +16,10 @@ anything new from those libraries still shows.
     binding. Set TORCH_CPP_LOG_LEVEL=WARNING to see them.
   * vLLM: Triton has no CPU backend (vLLM falls back to its torch ops); a deprecated
     alias its dispatcher touches while scanning torch.distributed.
+  * transformers (the stock pair of titan_rl.stock_pair, the reference folders): its GDN
+    and conv run their torch reference forms because the GPU kernel packages are absent
+    (that is the point: they are the stock implementation here), and its per-folder
+    progress bars when weights are read or written.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ _LOG_MESSAGES = {
     "": ("Error running lspci", "Peak flops undefined for", "model.safetensors.index.json not found at hf_assets_path",
          "CUDA graph capture is only supported on NVIDIA CUDA"),
     "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
+    "transformers.integrations.hub_kernels": ("is falling back to its reference PyTorch implementation",),
 }
 
 _WARNINGS = (
@@ -64,3 +69,4 @@ def install() -> None:
         logging.getLogger(name).addFilter(_Drop(prefixes))
     for category, message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it for its own bars too
