@@ -38,7 +38,10 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     if kernels == "stock" and spec.hf_architecture == spec.vllm_architecture:
         raise ValueError(f"kernels = 'stock' is not available for {arch!r}: vLLM has no built-in implementation "
                          "of it (hf_architecture is our own wrapper); use kernels = 'exact'")
-    if kernels == "stock":
+    if kernels == "stock" and quantization != "none" and quantization not in STOCK_QUANTIZATION:
+        raise ValueError(f"quantization = {quantization!r} with kernels = 'stock': vLLM has no online form of it; "
+                         f"allowed: {['none', *STOCK_QUANTIZATION]}")
+    if kernels == "stock" and (spec.recurrent_state or spec.moe):
         from titan_rl.checkpoint import check_hf_folder
 
         problem = stock_cpu_problem(spec, check_hf_folder(folder, arch=arch), dtype)
@@ -68,9 +71,6 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     if tensor_parallel_size != 1:
         kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher")
     if kernels == "stock" and quantization != "none":
-        if quantization not in STOCK_QUANTIZATION:
-            raise ValueError(f"quantization = {quantization!r} with kernels = 'stock': vLLM has no online form of it; "
-                             f"allowed: {['none', *STOCK_QUANTIZATION]}")
         kwargs.update(quantization="torchao")
         kwargs["hf_overrides"]["quantization_config_dict_json"] = _torchao_config_json(STOCK_QUANTIZATION[quantization])
     return LLM(**kwargs)
