@@ -356,3 +356,117 @@ def test_moe_rl_router_replay_equals_own_routing_with_zero_mismatch(tmp_path):
     assert [_comparable(m) for m in runs["off"]] == [_comparable(m) for m in runs["replay"]]
     with pytest.raises(config.ConfigError, match="router_replay"):
         config.load(None, ['--rollout.router_replay="replay"'])  # the dense default has no router
+
+
+# -- engines in their own processes (rollout.placement = "separate") -------------------------
+
+SEPARATE = ["--rollout.placement=separate"]
+
+
+def _engine_processes(pid: int) -> list:
+    """The processes under `pid` a separate engine started (not multiprocessing's tracker)."""
+    import psutil
+
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if "resource_tracker" not in " ".join(k.cmdline()):
+                out.append(k)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _run_until(cmd, stop_at: str, act, timeout=240):
+    """Run `cmd`, call act(process) once a stdout line starts with `stop_at`, then wait:
+    (return code, stdout, seconds from act to exit)."""
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, acted = [], None
+    deadline = time.time() + timeout
+    for line in p.stdout:
+        out.append(line)
+        if acted is None and line.startswith(stop_at):
+            act(p)
+            acted = time.time()
+        if time.time() > deadline:
+            p.kill()
+    p.wait(timeout=60)
+    return p.returncode, "".join(out), None if acted is None else time.time() - acted
+
+
+def test_separate_engines_under_torchrun_write_the_colocated_metrics(uninterrupted, tmp_path):
+    """torchrun's 2 ranks, the engine in its own process (rank 0 drives it; weights over vLLM's
+    weight transfer, verified in the engine's process): the metrics of the one-process
+    colocated run, wall-clock fields aside, synchronous (max_off_policy_steps = 0)."""
+    run_a, _ = uninterrupted
+    run_b = tmp_path / "separate"
+    r = _torchrun(run_b, [*SHORT, *SEPARATE, "--rollout.engines=1", "--rollout.max_off_policy_steps=0"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want, got = _metrics(run_a), _metrics(run_b)
+    assert [_comparable(m) for m in got] == [_comparable(m) for m in want]
+    rl = [m for m in got if m["phase"] == "rl"]
+    assert all(m["policy_lag"] == 0 and m["weight_sync_bytes"] > 0 for m in rl)
+
+
+def test_killed_engines_and_trainers_stop_cleanly_and_the_relaunch_continues(uninterrupted, tmp_path):
+    """kill -9 of the trainer: its engine processes die with it. kill -9 of the engine
+    process: the run stops within seconds, in one line naming the engine (exit 1). Each
+    relaunch resumes from the last checkpoint, and the run ends with the uninterrupted
+    run's metrics."""
+    import psutil
+
+    run_a, _ = uninterrupted
+    run_b = tmp_path / "faults"
+    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_b), *SHORT, *SEPARATE]
+    engines = []
+
+    def kill_trainer(p):
+        engines.extend(_engine_processes(p.pid))
+        p.send_signal(signal.SIGKILL)
+
+    rc, _, _ = _run_until(cmd, "step    3/6 rl", kill_trainer)
+    assert rc == -signal.SIGKILL and engines
+    gone = psutil.wait_procs(engines, timeout=20)[1]
+    assert not gone, f"engine processes outlived their trainer: {[e.pid for e in gone]}"
+
+    def kill_engine(p):
+        os.kill(_engine_processes(p.pid)[0].pid, signal.SIGKILL)
+
+    rc, out, seconds = _run_until(cmd, "step    3/6 rl", kill_engine)  # resumed at step 3 (checkpoint step 2)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert rc == 1 and len(errors) == 1, out[-3000:]
+    assert "rollout engine 0" in errors[0] and "died" in errors[0] and "restart_engines" in errors[0], errors
+    assert seconds < 20, seconds
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [_comparable(m) for m in _metrics(run_b)] == [_comparable(m) for m in _metrics(run_a)]
+
+
+def test_one_step_off_policy_keeps_the_operator_mismatch_at_zero_through_an_engine_restart(uninterrupted, tmp_path):
+    """max_off_policy_steps = 1: the engine samples step t+1 while the trainer trains step t.
+    Every RL line has its policy lag (0 on the first, then 1), max |dlogp| against the
+    behaviour weights (the trainer rescoring with the rollout's version) exactly 0, and the
+    off-policy movement apart (lag_abs_dlogp > 0 at lag 1). A killed engine is restarted
+    (restart_engines), re-sent the weights, and the run goes on with the same bits."""
+    run_a, _ = uninterrupted
+    run_b = tmp_path / "k1"
+    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_b), *SHORT, *SEPARATE,
+           "--rollout.max_off_policy_steps=1", "--rollout.restart_engines=true", "--checkpoint.enable=false"]
+
+    def kill_engine(p):
+        os.kill(_engine_processes(p.pid)[0].pid, signal.SIGKILL)
+
+    rc, out, _ = _run_until(cmd, "step    4/6 rl", kill_engine)
+    assert rc == 0, out[-3000:]
+    assert "restarting it (rollout.restart_engines = true)" in out
+    rl = [m for m in _metrics(run_b) if m["phase"] == "rl"]
+    assert [m["policy_lag"] for m in rl] == [0, 1, 1, 1]
+    assert all(m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 for m in rl), rl
+    assert rl[0]["lag_abs_dlogp"] == 0.0 and all(m["lag_abs_dlogp"] > 0 for m in rl[1:])
+    assert rl[-1]["engine_restarts"] == 1
+    first = [m for m in _metrics(run_a) if m["phase"] == "rl"][0]
+    assert _comparable(rl[0]) == _comparable(first)  # lag 0: the synchronous run's step

@@ -70,6 +70,16 @@ class RolloutConfig:
     # MoE models: "off" = the trainer's router chooses (expert_disagreement is measured),
     # "replay" = the trainer uses exactly the experts the sampler recorded.
     router_replay: Literal["off", "replay"] = "off"
+    # where the engines run (titan_rl/rl/separate_engines.py): "colocated" = one in-process
+    # engine per trainer rank, generation and training alternate; "separate" = `engines`
+    # engine processes of `engine_tp` workers each, started and driven by trainer rank 0
+    placement: Literal["colocated", "separate"] = "colocated"
+    engines: int = 1
+    engine_tp: int = 1
+    # separate: how many steps the engines may sample ahead of training (0 = synchronous);
+    # each rollout is sampled with the weights of up to this many steps before
+    max_off_policy_steps: int = 0
+    restart_engines: bool = False  # separate: a dead engine process is restarted (else the run stops)
 
 
 @dataclass
@@ -302,6 +312,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
     _check_quantization(cfg)
     _check_model_len(cfg)
+    _check_placement(cfg, spec)
     _check_ranges(cfg)
     _check_titan_sections(cfg)
     p = cfg.parity
@@ -350,6 +361,48 @@ def model_config(cfg: Config):
         return spec.config_from_hf(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _check_placement(cfg: Config, spec) -> None:
+    r = cfg.rollout
+    if r.placement == "colocated":
+        for key, default in (("engines", 1), ("engine_tp", 1), ("max_off_policy_steps", 0), ("restart_engines", False)):
+            if getattr(r, key) != default:
+                raise ConfigError(f"rollout.{key} = {getattr(r, key)!r} needs rollout.placement = 'separate' (the "
+                                  "colocated engine is one in-process engine per rank, synchronous)")
+        return
+    if r.engines < 1:
+        raise ConfigError(f"rollout.engines = {r.engines}: must be >= 1")
+    if r.max_off_policy_steps < 0:
+        raise ConfigError(f"rollout.max_off_policy_steps = {r.max_off_policy_steps}: must be >= 0 (0 = synchronous)")
+    if r.engine_tp not in (1, 2):
+        raise ConfigError(f"rollout.engine_tp = {r.engine_tp}: allowed 1 or 2")
+    refused = {
+        "model.kernels = 'stock'": cfg.model.kernels == "stock",
+        "sampling.mask_mode = 'replay'": cfg.sampling.mask_mode == "replay",
+        f"a mixture-of-experts model ({cfg.model.name!r}: its routes are recorded in the engine)": spec.moe,
+    }
+    for what, hit in refused.items():
+        if hit:
+            raise ConfigError(f"rollout.placement = 'separate' with {what} is not supported: what it needs from the "
+                              "engine's sampler is captured in-process only; use rollout.placement = 'colocated'")
+    if r.engine_tp > 1:
+        if cfg.quantization.recipe != "none":
+            raise ConfigError(f"rollout.engine_tp = {r.engine_tp} with quantization.recipe = "
+                              f"{cfg.quantization.recipe!r}: a sharded weight's scales would be taken over its "
+                              "shard; allowed: engine_tp = 1")
+        if spec.tp_plan is None:
+            raise ConfigError(f"rollout.engine_tp = {r.engine_tp}: {cfg.model.name!r} has no TP plan "
+                              f"({spec.no_tp_reason})")
+        leaves = cfg.model.tp_leaves
+        if leaves == 0 or leaves % r.engine_tp:
+            raise ConfigError(f"rollout.engine_tp = {r.engine_tp} needs model.tp_leaves a multiple of it (got "
+                              f"{leaves}) for the engine to compute the trainer's bits")
+        arch_cfg = model_config(cfg)
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            n = getattr(arch_cfg, key, None)
+            if n is not None and n % r.engine_tp:
+                raise ConfigError(f"rollout.engine_tp = {r.engine_tp} does not divide the model's {key} = {n}")
 
 
 def _check_model_len(cfg: Config) -> None:

@@ -67,6 +67,18 @@ class Contract:
                 out[f.name] = value
         return out
 
+    @classmethod
+    def from_entries(cls, entries: dict[str, Value]) -> "Contract":
+        """The inverse of `entries` (a contract sent from another process as its entries)."""
+        kw: dict = {}
+        for f in dataclasses.fields(cls):
+            if f.name in _GROUPS:
+                prefix = _GROUPS[f.name] + "."
+                kw[f.name] = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix)}
+            elif f.name in entries:
+                kw[f.name] = entries[f.name]
+        return cls(**kw)
+
     def to_json(self) -> str:
         return canonical_json(self.entries())
 
@@ -166,16 +178,22 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
 
 
 def engine_contract(llm) -> Contract:
-    """The contract of an in-process vLLM engine, from the model object it runs: our
-    wrapper (the model definition it adopted, the kernel of its attention backend) or
-    vLLM's built-in implementation (stock)."""
+    """The contract of an in-process vLLM engine (`model_contract` of the model it runs)."""
     from titan_rl.vllm.engine import engine_model
+
+    return model_contract(engine_model(llm), llm.model_config)
+
+
+def model_contract(model: torch.nn.Module, model_config) -> Contract:
+    """The contract of the model object a vLLM engine runs, computed where it runs: our
+    wrapper (the model definition it adopted, the kernel of its attention backend) or
+    vLLM's built-in implementation (stock). An engine in its own process computes it
+    there (titan_rl.rl.engine_worker)."""
     from titan_rl.vllm.model import TitanForCausalLM
 
-    model = engine_model(llm)
     if isinstance(model, TitanForCausalLM):
         return contract_of(model._net, attention=_attention_kernel(model))
-    return _builtin_contract(llm.model_config, model)
+    return _builtin_contract(model_config, model)
 
 
 def _attention_kernel(wrapper: torch.nn.Module) -> Callable:

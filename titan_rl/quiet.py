@@ -16,6 +16,8 @@ anything new from those libraries still shows.
     binding. Set TORCH_CPP_LOG_LEVEL=WARNING to see them.
   * vLLM: Triton has no CPU backend (vLLM falls back to its torch ops); a deprecated
     alias its dispatcher touches while scanning torch.distributed.
+  * multiprocessing's resource tracker: at exit, the shared memory and semaphores of an
+    engine process that was killed (separate placement) are "leaked"; it cleans them up.
   * transformers (the stock pair of titan_rl.stock_pair, the reference folders): its GDN
     and conv run their torch reference forms because the GPU kernel packages are absent
     (that is the point: they are the stock implementation here), and its per-folder
@@ -70,3 +72,7 @@ def install() -> None:
     for category, message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it for its own bars too
+    # read by the resource-tracker process multiprocessing starts (a child: only the
+    # environment reaches it); its only message is this one
+    if "PYTHONWARNINGS" not in os.environ:
+        os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"

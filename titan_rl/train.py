@@ -28,11 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+from titan_rl import quiet
+
+# at import: engine processes started with "spawn" import this module first (as __mp_main__)
+quiet.install()
+
 
 def main(argv=None) -> int:
-    from titan_rl import quiet
-
-    quiet.install()
     from titan_rl import config as config_mod
     from titan_rl import validation as v
     from titan_rl.errors import REPORTED, report_error

@@ -33,8 +33,25 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
+def trainer_state(model: torch.nn.Module, dtype: str) -> dict[str, torch.Tensor]:
+    """The trainer's weights, full (unsharded: a collective under FSDP / TP) and in the
+    engine's dtype."""
+    return {n: _full(p).detach().to(DTYPES[dtype]).contiguous() for n, p in model.named_parameters()}
+
+
 class EngineLink:
-    """The interface: a rollout from requests, a weight sync, the contract's metrics."""
+    """The interface: a rollout from requests, a weight sync, the contract's metrics; and
+    the contract check both links share."""
+
+    def __init__(self, cfg, model: torch.nn.Module, compute_dtype: torch.dtype, ranks: Ranks,
+                 gradient_reduction: str):
+        self.cfg, self.model, self.ranks = cfg, model, ranks
+        self.compute_dtype = compute_dtype
+        self.gradient_reduction = gradient_reduction
+        # (trainer side, engine side, entries allowed to differ) of the last contract check,
+        # and the last contract hash metrics.jsonl holds (its entries are written when it changes)
+        self._contract = None
+        self._logged_contract = None
 
     def sample(self, requests: list[dict], params: list, *, kept_sets: bool, routes: bool
                ) -> tuple[Rollout, float]:
@@ -47,11 +64,38 @@ class EngineLink:
         where the engine's parameters are not ours to compare: the stock engine)."""
         raise NotImplementedError
 
-    def contract_metrics(self) -> dict:
-        raise NotImplementedError
+    def metrics(self) -> dict:
+        """The link's own entries of the step line (none for the colocated engine)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop what the link started."""
+
+    def _check_contract_against(self, engine: contract.Contract, when: str) -> None:
+        """The execution contract of the trainer's model against the engine's (each computed
+        from what that side holds); ContractMismatch names the entries (this rank only)."""
+        mine = contract.contract_of(self.model, dtype=self.compute_dtype, gradient_leaves=self.gradient_reduction)
+        differs = contract.check(mine, engine, when=when)
+        self._contract = (mine, engine, differs)
+
+    def contract_metrics(self):
+        """The step line's contract: its hash on every RL line, its entries on the first and
+        whenever the hash changes; in stock mode also the engine's hash and the entries
+        that differ by design."""
+        mine, engine, differs = self._contract
+        m: dict = {"contract": mine.hash}
+        if differs:
+            m.update(contract_engine=engine.hash, contract_differs=differs)
+        if mine.hash != self._logged_contract:
+            m["contract_entries"] = mine.entries()
+            if differs:
+                m["contract_engine_entries"] = engine.entries()
+            self._logged_contract = mine.hash
+        return m
 
     def resume(self, kept_lines: list[dict]) -> None:
         """A relaunch: the metrics lines kept from before it (the last contract hash logged)."""
+        self._logged_contract = next((m["contract"] for m in reversed(kept_lines) if "contract" in m), None)
 
 
 class ColocatedEngine(EngineLink):
@@ -60,19 +104,16 @@ class ColocatedEngine(EngineLink):
 
     def __init__(self, cfg, run_dir: str, model: torch.nn.Module, compute_dtype: torch.dtype, ranks: Ranks,
                  gradient_reduction: str):
-        self.cfg, self.run_dir, self.model, self.ranks = cfg, run_dir, model, ranks
-        self.compute_dtype = compute_dtype
-        self.gradient_reduction = gradient_reduction
+        super().__init__(cfg, model, compute_dtype, ranks, gradient_reduction)
+        self.run_dir = run_dir
         self.llm = None
-        # (trainer side, engine side, entries allowed to differ) of the last contract check,
-        # and the last contract hash metrics.jsonl holds (its entries are written when it changes)
-        self._contract = None
-        self._logged_contract = None
+        self.sync_bytes = 0
+
+    def metrics(self):
+        return {"weight_sync_bytes": self.sync_bytes}
 
     def _state(self) -> dict[str, torch.Tensor]:
-        """The trainer's weights, full (unsharded) and in the engine's dtype."""
-        dtype = DTYPES[self.cfg.model.dtype]
-        return {n: _full(p).detach().to(dtype).contiguous() for n, p in self.model.named_parameters()}
+        return trainer_state(self.model, self.cfg.model.dtype)
 
     def _start(self) -> None:
         from titan_rl.checkpoint import save_hf_folder
@@ -111,9 +152,13 @@ class ColocatedEngine(EngineLink):
         from titan_rl.quant_weights import fake_quantized_state, quantized_state, weight_recipes
         from titan_rl.vllm.engine import engine_model, update_weights
 
+        from titan_rl.quant_weights import state_bytes
+
         state = self._state()
         recipes = weight_recipes(self.model)
-        update_weights(self.llm, quantized_state(state, recipes))
+        sent = quantized_state(state, recipes)
+        update_weights(self.llm, sent)
+        self.sync_bytes = state_bytes(sent)
         when = f"after the weight sync of step {step}"
         self._check_contract(when)
         if self.cfg.model.kernels == "stock":
@@ -131,35 +176,13 @@ class ColocatedEngine(EngineLink):
         return True
 
     def _check_contract(self, when: str) -> None:
-        """The execution contract of the trainer's model against the engine's, each computed
-        from what that side holds; all ranks stop together if one refuses."""
-        mine = contract.contract_of(self.model, dtype=self.compute_dtype, gradient_leaves=self.gradient_reduction)
-        engine = contract.engine_contract(self.llm)
-        error, differs = None, []
+        """This rank's engine against its trainer; all ranks stop together if one refuses."""
+        error = None
         try:
-            differs = contract.check(mine, engine, when=when)
+            self._check_contract_against(contract.engine_contract(self.llm), when)
         except contract.ContractMismatch as e:
             error = e
         if self.ranks.any(error is not None):
             raise error or contract.ContractMismatch(
                 f"execution contract {when}: another rank's engine differs from its trainer (that rank names "
                 "the entries)")
-        self._contract = (mine, engine, differs)
-
-    def contract_metrics(self):
-        """The step line's contract: its hash on every RL line, its entries on the first and
-        whenever the hash changes; in stock mode also the engine's hash and the entries
-        that differ by design."""
-        mine, engine, differs = self._contract
-        m: dict = {"contract": mine.hash}
-        if differs:
-            m.update(contract_engine=engine.hash, contract_differs=differs)
-        if mine.hash != self._logged_contract:
-            m["contract_entries"] = mine.entries()
-            if differs:
-                m["contract_engine_entries"] = engine.entries()
-            self._logged_contract = mine.hash
-        return m
-
-    def resume(self, kept_lines):
-        self._logged_contract = next((m["contract"] for m in reversed(kept_lines) if "contract" in m), None)

@@ -35,6 +35,7 @@ from titan_rl.kernels.reduction import fixed_sum
 from titan_rl.registry import get_architecture
 from titan_rl.rl.batch_plan import plan_for
 from titan_rl.rl.engine_link import ColocatedEngine
+from titan_rl.rl.separate_engines import SeparateEngines
 from titan_rl.rl.global_batch import rank_share
 from titan_rl.rl.ranks import Ranks
 from titan_rl.rl.seeds import completion_seeds, prompt_seed, sft_seed
@@ -59,7 +60,12 @@ class RLTrainer(Trainer):
         self.plan = plan_for(rl, self.model, self.ranks)
         compute_dtype = DTYPES[self.config.training.mixed_precision_param]
         contract.check_ranks(contract.contract_of(self.model, dtype=compute_dtype, gradient_leaves=self.plan.reduction))
-        self.engine = ColocatedEngine(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
+        link = SeparateEngines if rl.rollout.placement == "separate" else ColocatedEngine
+        self.engine = link(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
+        # separate placement: rollouts started ahead (step -> Pending), and the weights of the
+        # last max_off_policy_steps versions (version -> parameters) to rescore them with
+        self._ahead: dict = {}
+        self._versions: dict[int, list[torch.Tensor]] = {}
         self.metrics = MetricsFile(run_dir, self.ranks.rank)
         self._resumed_checked = False
         self.corrections = rl.correction
@@ -74,6 +80,10 @@ class RLTrainer(Trainer):
     @property
     def model(self):
         return self.model_parts[0]
+
+    def close(self) -> None:
+        self.engine.close()
+        super().close()
 
     # -- the step ------------------------------------------------------------------------
     def train_step(self, data_iterator):
@@ -123,7 +133,8 @@ class RLTrainer(Trainer):
 
     def _rl_step(self) -> dict:
         a, r = self.rl.algorithm, self.ranks
-        examples, rollout, t_roll = self._rollout()
+        examples, rollout, t_roll, version = self._rollout()
+        lag = self.step - 1 - version  # the weights' age in optimizer steps (0 = on-policy)
         rewards = torch.tensor(self._rewards(examples, rollout.tokens), dtype=torch.float32)
         adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
         pad = self.task.tokenizer.pad_id
@@ -132,10 +143,16 @@ class RLTrainer(Trainer):
         pieces, n_pieces = self.plan.pieces(B * r.dp_degree, B * r.dp_rank)
         metrics: dict = {} if b.routes is None else {"route_bytes_per_token": rollout.route_bytes_per_token}
         times = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        if lag:  # engine vs trainer at the rollout's own (older) weights: the operator mismatch alone
+            t0 = time.perf_counter()
+            with torch.no_grad(), self._weights_of(version):
+                pi_behaviour = torch.cat([self._score(b, rows, None) for rows in pieces])
+            times["forward"] += time.perf_counter() - t0
+            self._at_rollout_weights(b, pi_behaviour, [], metrics)
         for k in range(a.updates_per_batch):
             # the first update also measures engine vs trainer at the rollout's weights; the
             # corrections need the whole share's pi_old before the first piece's loss
-            own = [] if k == 0 else None
+            own = [] if k == 0 and not lag else None
             if own is not None and enabled(self.corrections) and len(pieces) > 1:
                 t0 = time.perf_counter()
                 with torch.no_grad():
@@ -144,6 +161,9 @@ class RLTrainer(Trainer):
                 self._at_rollout_weights(b, pi_old, own, metrics)
                 own = None
             update = self._update(b, adv, pieces, n_pieces, own, metrics, times)
+            if k == 0:  # current weights vs the behaviour policy: the real off-policy movement
+                metrics["lag_abs_dlogp"] = r.reduce(
+                    float((update["logp"][b.mask] - b.mu[b.mask]).abs().max()) if bool(b.mask.any()) else 0.0, "max")
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
                 metrics["policy_lag_log_ratio_abs_max"] = r.reduce(update["lag"], "max")
         if self.is_moe:
@@ -152,6 +172,7 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         same = self.engine.sync(self.step)
         times["weight_sync"], times["rollout"] = time.perf_counter() - t0, t_roll
+        self._keep_version(self.step)
         n_tok = int(b.mask.sum())
         stats = self.plan.batch_stats(rewards, n_tok, B, b.loss_mask, update["pieces"])
         metrics.update({
@@ -163,6 +184,8 @@ class RLTrainer(Trainer):
             "grad_norm": update["grad_norm"],
             "clip_fraction": stats["clip_fraction"],
             "weights_checksum_equal": same,
+            "policy_lag": lag,
+            **self.engine.metrics(),
             **self.engine.contract_metrics(),
             "rollout_tokens_per_s": n_tok / t_roll,
             **({"kept_set_bytes_per_token": rollout.kept_bytes / max(n_tok, 1)} if rollout.kept is not None else {}),
@@ -208,7 +231,8 @@ class RLTrainer(Trainer):
         step_loss = self.plan.step_sum(losses)
         grad_norm = self._optimizer_step(step_loss)
         times["optimizer"] += time.perf_counter() - t0
-        return {"loss": step_loss, "grad_norm": grad_norm, "auxes": auxes, "pieces": stats_of_pieces, "lag": lag}
+        return {"loss": step_loss, "grad_norm": grad_norm, "auxes": auxes, "pieces": stats_of_pieces, "lag": lag,
+                "logp": torch.cat(logps)}
 
     def _score(self, b: ScoredBatch, rows: range, own: list | None) -> torch.Tensor:
         """log pi [len(rows), L - 1] of the sampled tokens of `rows` under the policy the
@@ -247,15 +271,68 @@ class RLTrainer(Trainer):
                 self._warned_exact = True
 
     # -- the step's pieces -------------------------------------------------------------
-    def _rollout(self) -> tuple[list, object, float]:
+    def _rollout(self) -> tuple[list, object, float, int]:
         """Sample this data-parallel rank's share of the step's global prompts: (the task
-        example of each request, the rollout, seconds spent in generate)."""
+        example of each request, the rollout, seconds spent in generate, the training step
+        whose weights sampled it). Separate engines: the rollouts of the next
+        max_off_policy_steps steps are started before this one is trained on."""
+        s, a = self.rl.sampling, self.rl.algorithm
+        examples, reqs, params = self._requests(self.step)
+        # MoE routes are always recorded: disagreement is measured even without replay
+        capture = {"kept_sets": s.mask_mode == "replay", "routes": self.is_moe}
+        if isinstance(self.engine, SeparateEngines):
+            pending = self._ahead.pop(self.step, None) or self.engine.start(self.step, reqs, params)
+            self._keep_version(self.step - 1)
+            for ahead in range(self.step + 1, min(self.step + self.rl.rollout.max_off_policy_steps,
+                                                  self.rl.training.steps) + 1):
+                if ahead not in self._ahead:
+                    self._ahead[ahead] = self.engine.start(ahead, *self._requests(ahead)[1:])
+            rollout, dt, version = self.engine.finish(pending, **capture)
+        else:
+            rollout, dt = self.engine.sample(reqs, params, **capture)
+            version = self.step - 1
+        return [examples[j // a.group_size] for j in range(len(rollout))], rollout, dt, version
+
+    def _keep_version(self, version: int) -> None:
+        """Keep the current parameters as `version` while a rollout sampled with it may still
+        be trained on (separate engines sampling ahead); older versions are dropped."""
+        k = self.rl.rollout.max_off_policy_steps
+        if not k:
+            return
+        if version not in self._versions:
+            self._versions[version] = [p.detach().clone() for p in self.model.parameters()]
+        for v in [v for v in self._versions if v < version - k]:
+            del self._versions[v]
+
+    def _weights_of(self, version: int):
+        """A context in which the model holds the parameters of `version`."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            params = list(self.model.parameters())
+            now = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                for p, old in zip(params, self._versions[version]):
+                    p.copy_(old)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for p, cur in zip(params, now):
+                        p.copy_(cur)
+
+        return swapped()
+
+    def _requests(self, step: int) -> tuple[list, list, list]:
+        """This data-parallel rank's share of `step`'s prompts: (the task examples, the
+        requests, their sampling params, seeded from (seed, step, global index))."""
         from vllm import SamplingParams
 
         a, s, seed = self.rl.algorithm, self.rl.sampling, self.rl.training.seed
         share = rank_share(a.prompts_per_step, self.ranks.dp_degree, self.ranks.dp_rank)
-        examples = self.task.sample(a.prompts_per_step, seed=prompt_seed(seed, self.step))[share.start:share.stop]
-        seeds = iter(completion_seeds(seed, self.step, share, a.group_size))
+        examples = self.task.sample(a.prompts_per_step, seed=prompt_seed(seed, step))[share.start:share.stop]
+        seeds = iter(completion_seeds(seed, step, share, a.group_size))
         reqs, params = [], []
         for ex in examples:
             for _ in range(a.group_size):
@@ -263,9 +340,7 @@ class RLTrainer(Trainer):
                 params.append(SamplingParams(
                     temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
                     stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0, seed=next(seeds)))
-        # MoE routes are always recorded: disagreement is measured even without replay
-        rollout, dt = self.engine.sample(reqs, params, kept_sets=s.mask_mode == "replay", routes=self.is_moe)
-        return [examples[j // a.group_size] for j in range(len(rollout))], rollout, dt
+        return examples, reqs, params
 
     def _rewards(self, examples: list, tokens: list[list[int]]) -> list[float]:
         """The task's rewards of each request's sampled tokens, each checked finite (a NaN

@@ -18,7 +18,7 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
              kv_cache_mib: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
              block_size: int | None = None, logprobs_mode: str = "raw_logprobs", quantization: str = "none",
-             tensor_parallel_size: int = 1):
+             tensor_parallel_size: int = 1, own_process: bool = False):
     """kernels='exact': our wrapper (same model definition as the trainer; a quantization
     recipe comes with the folder's config.json, "titan_quantization");
     kernels='stock': vLLM's built-in implementation of the same architecture, and with a
@@ -30,7 +30,11 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     trainer's TP plan and needs the model's tp_leaves > 0.
     logprobs_mode='processed_logprobs' records the log-probs of the policy actually
     sampled (temperature, top-k/top-p, renormalised); the exact engine then also uses
-    titan_rl.kernels.sampling for the kept set (titan_rl.vllm.sampling.install)."""
+    titan_rl.kernels.sampling for the kept set (titan_rl.vllm.sampling.install).
+    own_process: the engine runs in its own process (vLLM's engine-core process; at
+    tensor_parallel_size > 1 its workers are processes of vLLM's "mp" executor), reached
+    through vLLM's collective RPC (titan_rl.rl.engine_worker) and weight transfer
+    (the "gloo" backend, titan_rl.vllm.weight_transfer); it dies with this process."""
     check_kernels(kernels)
     from vllm import LLM
 
@@ -47,7 +51,7 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         problem = stock_cpu_problem(spec, check_hf_folder(folder, arch=arch), dtype)
         if problem:
             raise ValueError(f"kernels = 'stock' for {arch!r} ({folder}): {problem}")
-    if kernels == "exact":
+    if kernels == "exact" and not own_process:
         from titan_rl.vllm.sampling import install, install_logprobs
 
         install_logprobs()
@@ -68,12 +72,48 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         kwargs.update(mamba_cache_mode="align", enable_chunked_prefill=True)
     if block_size is not None:
         kwargs.update(block_size=block_size)
+    if own_process:
+        kwargs.update(worker_extension_cls="titan_rl.rl.engine_worker.TitanWorkerExtension",
+                      weight_transfer_config={"backend": "gloo"})
+        if tensor_parallel_size != 1:
+            kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+        return _llm_in_own_process(kwargs, "processed_logprobs" if logprobs_mode == "processed_logprobs" else
+                                   "raw" if kernels == "exact" else "")
     if tensor_parallel_size != 1:
         kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher")
     if kernels == "stock" and quantization != "none":
         kwargs.update(quantization="torchao")
         kwargs["hf_overrides"]["quantization_config_dict_json"] = _torchao_config_json(STOCK_QUANTIZATION[quantization])
     return LLM(**kwargs)
+
+
+def _llm_in_own_process(kwargs: dict, exact_sampling: str):
+    """LLM(**kwargs) with its engine core in a child process: vLLM's multiprocessing mode
+    and the two settings the plugin reads there (titan_rl.vllm.plugin)."""
+    import os
+
+    import vllm.envs as envs
+    from vllm import LLM
+
+    from titan_rl.vllm.plugin import EXACT_SAMPLING, TRAINER_PID
+
+    bind = "VLLM_CPU_OMP_THREADS_BIND"
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", TRAINER_PID, EXACT_SAMPLING, bind)}
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", TRAINER_PID: str(os.getpid()),
+                       EXACT_SAMPLING: exact_sampling,
+                       # vLLM's CPU workers bind to one NUMA node each by default; these machines have one
+                       bind: os.environ.get(bind, "nobind")})
+    try:
+        if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise RuntimeError("an engine in its own process cannot be started from a process that already ran "
+                               "an in-process engine (vLLM has cached its environment)")
+        return LLM(**kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def stock_cpu_problem(spec, cfg, dtype: str) -> str:

@@ -1,6 +1,7 @@
 """vllm.general_plugins entry point: runs in every vLLM process (engine and workers)."""
 
 import importlib.util
+import os
 import sys
 import types
 
@@ -9,15 +10,46 @@ import types
 _QWEN2_VL_IMAGES = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 
 
+# Set by titan_rl.rl.separate_engines for the engine processes it starts (inherited at spawn).
+TRAINER_PID = "TITAN_RL_TRAINER_PID"
+EXACT_SAMPLING = "TITAN_RL_EXACT_SAMPLING"
+
+
 def register() -> None:
     from vllm import ModelRegistry
 
     from titan_rl.registry import get_architecture, list_architectures
+    from titan_rl.vllm import weight_transfer
 
     _text_only_vl_imports()
     for spec in map(get_architecture, list_architectures()):
         if spec.vllm_architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(spec.vllm_architecture, spec.vllm_class)
+    weight_transfer.register()
+    if os.environ.get(TRAINER_PID) and os.environ[TRAINER_PID] != str(os.getpid()):
+        _engine_process()
+
+
+def _engine_process() -> None:
+    """In an engine process a trainer started: die with the process that started it (a
+    killed trainer leaves no engine behind: PR_SET_PDEATHSIG, Linux), and sample with the
+    exact engine's sampler (the patches titan_rl.vllm.engine.make_llm applies in-process)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent died before the prctl took effect
+        os._exit(1)
+    mode = os.environ.get(EXACT_SAMPLING)
+    if mode:
+        from titan_rl.vllm.sampling import install, install_logprobs
+
+        install_logprobs()
+        if mode == "processed_logprobs":
+            install()
 
 
 def _text_only_vl_imports() -> None:
