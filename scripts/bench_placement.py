@@ -78,7 +78,6 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"steps": args.steps, "sft_steps": args.sft_steps, "threads":
                                os.environ.get("OMP_NUM_THREADS"), "modes": out})
-        print(f"wrote {args.json}")
     return 0
 
 
