@@ -71,7 +71,8 @@ def main(argv=None) -> int:
         print(f"{mode:15s}" + "".join(f"{res[mode][c]:>14.3f}s" for c in cols))
     print(f"{'ratio det/plain':15s}" + "".join(f"{ratio[c]:>14.2f}x" for c in cols))
     if args.json:
-        write_json(args.json, {**res, "ratio_deterministic_over_plain": ratio, "settings": vars(args)})
+        write_json(args.json, {**res, "sft_ratio": ratio["sft_step"], "rl_ratio": ratio["rl_step"],
+                               "ratio_deterministic_over_plain": ratio, "settings": vars(args)})
     return 0
 
 

@@ -137,7 +137,10 @@ def main(argv=None) -> int:
     print(f"\nratio to none{'':1s}" + "".join(f"{k:>22s}" for k in RATIOS))
     for row in rows[1:]:
         print(f"{row['recipe']:14s}" + "".join(f"{row['ratio_vs_none'][k]:>22.3f}" for k in RATIOS))
-    write_json(args.json, {"args": vars(args), "rows": rows})
+    # per recipe, the speed ratios to "none" (the unquantized bf16 exact run of this invocation)
+    summary = {row["recipe"]: {"rollout_vs_none": row["ratio_vs_none"]["rollout_tokens_per_s"],
+                               "trainer_vs_none": row["ratio_vs_none"]["trainer_tokens_per_s"]} for row in rows[1:]}
+    write_json(args.json, {**summary, "args": vars(args), "rows": rows})
     return 0
 
 
