@@ -14,7 +14,7 @@ rms_norm_heads have a CPU implementation only).
 
 from titan_rl.kernels.dispatch import (
     attention_dense, attention_paged, gdn_recurrent, gemm_weight, kv_cache_write, leaf_partials, linear, linear_k_leaves,
-    linear_n_blocks, lm_head_logits, log_softmax_fp32, rms_norm, rms_norm_heads, rope, silu_mul, token_logprobs,
+    linear_n_blocks, lm_head_logits, lm_head_weight, log_softmax_fp32, rms_norm, rms_norm_heads, rope, silu_mul, token_logprobs,
     tree_sum,
 )
 
@@ -29,6 +29,7 @@ __all__ = [
     "linear_k_leaves",
     "linear_n_blocks",
     "lm_head_logits",
+    "lm_head_weight",
     "log_softmax_fp32",
     "rms_norm",
     "rms_norm_heads",

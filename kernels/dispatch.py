@@ -38,6 +38,7 @@ TABLE: dict[str, dict[str, str]] = {
     "silu_mul": {"torch": "elementwise.torch_impl:silu_mul", "triton": "elementwise.triton_impl:silu_mul"},
     "rope": {"torch": "elementwise.torch_impl:rope", "triton": "elementwise.triton_impl:rope"},
     "lm_head_logits": {"torch": "lm_head.torch_impl:lm_head_logits", "triton": "lm_head.triton_impl:lm_head_logits"},
+    "lm_head_weight": {"torch": "lm_head.torch_impl:lm_head_weight", "triton": "lm_head.triton_impl:lm_head_weight"},
     "log_softmax_fp32": {"torch": "lm_head.torch_impl:log_softmax_fp32",
                          "triton": "lm_head.triton_impl:log_softmax_fp32"},
     "token_logprobs": {"torch": "lm_head.torch_impl:token_logprobs", "triton": "lm_head.triton_impl:token_logprobs"},
@@ -165,6 +166,7 @@ kv_cache_write = Dispatched("kv_cache_write")
 gemm_weight = Dispatched("gemm_weight")
 linear = Dispatched("linear")
 lm_head_logits = Dispatched("lm_head_logits")
+lm_head_weight = Dispatched("lm_head_weight")
 log_softmax_fp32 = Dispatched("log_softmax_fp32")
 rms_norm = Dispatched("rms_norm")
 rope = Dispatched("rope")

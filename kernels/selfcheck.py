@@ -78,11 +78,17 @@ def platform_choices(device: torch.device | str = "cpu") -> dict:
     from titan_rl.kernels.matmul import torch_impl as mm
 
     return {"backend": backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM,
-            "bf16_gemm": mm.BF16_GEMM, "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
+            "bf16_gemm": mm.BF16_GEMM, "lm_head": _head_form(), "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
             "attention": "compiled, fixed order per row (kernels/csrc/paged_attention.cpp)",
             "elementwise": "compiled silu_mul; RoPE from a chunked table",
             # not the thread count itself: the self-check proves the outputs equal at 1, 2 and the current count
             "threads": "not bit-relevant (the self-check compares 1, 2 and the current count)"}
+
+
+def _head_form() -> str:
+    from titan_rl.kernels.lm_head.torch_impl import HEAD_FORM
+
+    return HEAD_FORM
 
 
 class _Probe:
@@ -129,9 +135,10 @@ def _check(ops, dtype, quick, head_dim, device):
     for K, N in shapes:
         w = p.randn(N, K, scale=K**-0.5)
         p.rows("linear", lambda t: ops["linear"](t, w), p.randn(n_rows, K), rows, f"[M, {K}] x [{N}, {K}]^T", dtype)
-    # LM head: fp32 GEMM whatever the model dtype, then the fp32 vocabulary reduction.
+    # LM head: fp32 logits from a weight in the model's dtype (bf16: the dpbf16 kernel where
+    # the CPU has it, kernels/lm_head), then the fp32 vocabulary reduction.
     V = 2000 if quick else 4096
-    w = p.randn(V, 1024, dtype=torch.float32, scale=1024**-0.5)
+    w = p.randn(V, 1024, scale=1024**-0.5)
     p.rows("lm_head_logits", lambda t: ops["lm_head_logits"](t, w), p.randn(n_rows, 1024),
            QUICK_ROWS + (() if quick else (127, 128, 129, 257)), f"[M, 1024] x [{V}, 1024]^T", torch.float32)
     V = 2000 if quick else 32000
@@ -207,7 +214,7 @@ def _outputs(ops, dtype, head_dim, device) -> list[tuple[str, torch.Tensor]]:
     out = []
     for K, N in ((256, 384), (1024, 256), (200, 96), (33, 8), (3072, 128)):
         out.append((f"linear [200, {K}] x [{N}, {K}]^T", ops["linear"](p.randn(200, K), p.randn(N, K, scale=K**-0.5))))
-    w = p.randn(2000, 1024, dtype=torch.float32, scale=1024**-0.5)
+    w = p.randn(2000, 1024, scale=1024**-0.5)
     out.append(("lm_head_logits [200, 1024] x [2000, 1024]^T", ops["lm_head_logits"](p.randn(200, 1024), w)))
     out.append(("log_softmax_fp32 [200, 32000]", ops["log_softmax_fp32"](p.randn(200, 32000, dtype=torch.float32,
                                                                                     scale=4.0))))

@@ -45,7 +45,8 @@ class Ops:
 
     causal_attention(q [B, L, H, D], k/v [B, L, Hkv, D], scale) -> [B, L, H, D]: the
     trainer's dense causal attention (every sequence starts at position 0).
-    lm_head(hidden, weight_fp32) -> fp32 logits.
+    lm_head(hidden, weight) -> fp32 logits (weight in the model's dtype: exact products, fp32
+    accumulation; kernels/lm_head).
     head_rms_norm(x [..., H, D], weight [D], eps): the per-head RMSNorm (q_norm / k_norm,
     GDN's gated norm).
     elementwise(fn, x): a transcendental (silu, sigmoid, exp, softplus: GDN's, the output
@@ -139,8 +140,8 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ).transpose(1, 2)
 
 
-def _linear_fp32(hidden: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
-    return F.linear(hidden.float(), weight_fp32)
+def _linear_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden.float(), weight.float())
 
 
 def _plain(fn, x):

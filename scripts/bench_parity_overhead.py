@@ -1,17 +1,25 @@
 """What exactness costs: exact vs stock, side by side in one run, as ratios.
 
-    python scripts/bench_parity_overhead.py [--flavor small] [--json OUT]
+    python scripts/bench_parity_overhead.py [--flavor small] [--layers N] [--checkpoint DIR]
+        [--prompt-len L] [--skip-train] [--json OUT]
 
 rollout: the same prompts through vLLM with our exact wrapper vs vLLM's built-in
-         implementation (generated tokens/s, prefill included).
+         implementation (generated tokens/s, prefill included), each with its own sampler
+         (processed log-probs, as RL runs: ours samples through kernels.sampling).
 train:   trainer forward+backward tokens/s of our model with kernels="exact" vs
          kernels="stock" (F.linear, SDPA), same batch, interleaved repeats.
 slowdown = exact time / stock time (1.0 = free). Prints a table, writes JSON.
+
+The model: a Qwen3 flavor with random weights (`--flavor`, `--layers N` keeps the first
+N layers: `--flavor 0.6B --layers 4` is Qwen3-0.6B's widths and vocabulary, 4 layers),
+or any HF folder of a registered architecture with a vLLM built-in twin
+(`--checkpoint DIR`). Prompts: 8..200 tokens at random, or all `--prompt-len L` tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -26,7 +34,6 @@ import torch
 from titan_rl.checkpoint import save_hf_folder
 from titan_rl.jsonout import write_json
 from titan_rl.models.options import ModelOptions
-from titan_rl.models.qwen3 import build
 
 
 def gemm_peak_gflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
@@ -54,43 +61,76 @@ def forward_flops(cfg, lengths) -> float:
     return total
 
 
-def bench_rollout(folder, args):
+def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
+def bench_rollout(folder, cfg, arch, args):
     from vllm import SamplingParams
 
     from titan_rl.vllm.engine import make_llm
 
     g = torch.Generator().manual_seed(0)
-    vocab = build(args.flavor).cfg.vocab_size
-    prompts = [{"prompt_token_ids": torch.randint(2, vocab, (int(n),), generator=g).tolist()}
-               for n in torch.randint(8, 200, (args.prompts,), generator=g)]
+    lengths = ([args.prompt_len] * args.prompts if args.prompt_len else
+               [int(n) for n in torch.randint(8, 200, (args.prompts,), generator=g)])
+    prompts = [{"prompt_token_ids": torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()} for n in lengths]
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
     out = {}
-    engines = {e: make_llm(folder, kernels=e, dtype=args.dtype, kv_cache_mib=512, max_num_seqs=args.prompts)
+    from titan_rl.vllm.sampling import vllm_own_top_k_top_p
+    max_len = max(lengths) + args.max_tokens
+    kv_mib = max(512, int(1.25 * sum(lengths + [args.max_tokens * len(lengths)])
+                          * kv_bytes_per_token(cfg, getattr(torch, args.dtype))) >> 20)
+    # As RL runs (titan_rl.rl.engine_link): processed log-probs, so the exact engine samples
+    # through our top-k/top-p kernel; the stock engine through vLLM's own (its calls below
+    # run inside vllm_own_top_k_top_p: the kernel is installed process-wide).
+    engines = {e: make_llm(folder, arch=arch, kernels=e, dtype=args.dtype, kv_cache_mib=kv_mib,
+                           max_num_seqs=args.prompts, max_model_len=max(1024, max_len),
+                           logprobs_mode="processed_logprobs")
                for e in ("exact", "stock")}
+    own = {"exact": contextlib.nullcontext,
+           "stock": contextlib.nullcontext if args.shared_sampler else vllm_own_top_k_top_p}
     for e, llm in engines.items():  # warm-up
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        with own[e]():
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     times = {e: [] for e in engines}
     for _ in range(args.repeats):
         for e, llm in engines.items():
             llm.reset_prefix_cache()
             t = time.perf_counter()
-            llm.generate(prompts, sp, use_tqdm=False)
+            with own[e]():
+                llm.generate(prompts, sp, use_tqdm=False)
             times[e].append(time.perf_counter() - t)
     for e in engines:
         best = min(times[e])
         out[e] = {"seconds": best, "tokens_per_s": args.prompts * args.max_tokens / best}
     # every prompt token and every generated token but the last goes through the model once
-    out["flops"] = forward_flops(build(args.flavor).cfg, [len(p["prompt_token_ids"]) + args.max_tokens - 1
-                                                           for p in prompts])
+    out["flops"] = forward_flops(cfg, [len(p["prompt_token_ids"]) + args.max_tokens - 1 for p in prompts])
+    out["prompt_tokens"] = sum(lengths)
     return out
 
 
-def bench_train(args):
-    torch.manual_seed(0)
+def build_pair(args):
+    """{"exact": model, "stock": model} in the benchmark's dtype, the same weights."""
     dtype = getattr(torch, args.dtype)
-    models = {}
-    for e in ("exact", "stock"):
-        models[e] = build(args.flavor, ModelOptions(kernels=e)).init_weights(0).to(dtype)
+    if args.checkpoint:
+        from titan_rl.checkpoint import load_hf_folder
+        from titan_rl.registry import architecture_of_folder
+
+        arch = architecture_of_folder(args.checkpoint).name
+        return {e: load_hf_folder(args.checkpoint, kernels=e, dtype=dtype, arch=arch) for e in ("exact", "stock")}
+    return {e: flavor_model(args, ModelOptions(kernels=e)).to(dtype) for e in ("exact", "stock")}
+
+
+def flavor_model(args, options=None):
+    """The --flavor model with random weights (seed 0), cut to --layers layers."""
+    from titan_rl.models.qwen3 import build
+
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    return build(args.flavor, options or ModelOptions(), **overrides).init_weights(0)
+
+
+def bench_train(models, args):
+    torch.manual_seed(0)
     tokens = torch.randint(0, models["exact"].cfg.vocab_size, (args.train_batch, args.train_len))
     times = {e: [] for e in models}
 
@@ -116,23 +156,42 @@ def bench_train(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--flavor", default="small")
+    ap.add_argument("--layers", type=int, default=0, help="keep the flavor's first N layers (0: all)")
+    ap.add_argument("--checkpoint", default=None, help="an HF folder instead of --flavor")
+    ap.add_argument("--prompt-len", type=int, default=0, help="every prompt this many tokens (0: 8..200 at random)")
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--shared-sampler", action="store_true",
+                    help="both engines sample through our top-k/top-p kernel: the ratio of the models alone")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--train-batch", type=int, default=8)
     ap.add_argument("--train-len", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-rollout", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    res = {"flavor": args.flavor, "dtype": args.dtype, "threads": torch.get_num_threads()}
-    res["train"] = bench_train(args)
-    res["train_slowdown"] = res["train"]["exact"]["seconds"] / res["train"]["stock"]["seconds"]
+    if args.checkpoint and args.layers:
+        ap.error("--layers cuts a --flavor model; a --checkpoint folder is used as it is")
+    label = args.checkpoint or (args.flavor + (f", {args.layers} layers" if args.layers else ""))
+    res = {"model": label, "flavor": None if args.checkpoint else args.flavor, "layers": args.layers or None,
+           "checkpoint": args.checkpoint, "prompt_len": args.prompt_len or "8..200", "dtype": args.dtype,
+           "threads": torch.get_num_threads(), "sampler": "shared" if args.shared_sampler else "own"}
+    models = build_pair(args)
+    cfg, arch = models["exact"].cfg, _arch_name(models["exact"])
+    res["params"] = sum(p.numel() for p in models["exact"].parameters())
+    if not args.skip_train:
+        res["train"] = bench_train(models, args)
+        res["train_slowdown"] = res["train"]["exact"]["seconds"] / res["train"]["stock"]["seconds"]
     if not args.skip_rollout:
         with tempfile.TemporaryDirectory() as d:
-            save_hf_folder(build(args.flavor).init_weights(0), d, dtype=getattr(torch, args.dtype))
-            res["rollout"] = bench_rollout(d, args)
+            folder = args.checkpoint
+            if folder is None:
+                save_hf_folder(models["exact"], d, dtype=getattr(torch, args.dtype))
+                folder = d
+            del models
+            res["rollout"] = bench_rollout(folder, cfg, arch, args)
         res["rollout_slowdown"] = res["rollout"]["exact"]["seconds"] / res["rollout"]["stock"]["seconds"]
     # The physical limit: every FLOP at the platform's measured GEMM peak in the dtype the
     # exact engine's GEMMs run in (kernels.matmul.gemm_dtype).
@@ -148,12 +207,14 @@ def main(argv=None):
             res[k]["limit_seconds"] = limit
             for e in ("exact", "stock"):
                 res[k][e]["x_limit"] = res[k][e]["seconds"] / limit
-    print(f"\n{'what':28s}{'exact tok/s':>14s}{'stock tok/s':>14s}{'slowdown':>10s}"
+    print(f"\nmodel {label} ({res['params'] / 1e6:.0f}M parameters), prompts {res['prompt_len']} tokens, "
+          f"sampler {res['sampler']}")
+    print(f"{'what':28s}{'exact tok/s':>14s}{'stock tok/s':>14s}{'slowdown':>10s}"
           f"{'exact/limit':>13s}{'stock/limit':>13s}")
     for k in ("train", "rollout"):
         if k in res:
             r = res[k]
-            print(f"{k + ' (' + args.flavor + ', ' + args.dtype + ')':28s}{r['exact']['tokens_per_s']:>14.1f}"
+            print(f"{k + ' (' + args.dtype + ')':28s}{r['exact']['tokens_per_s']:>14.1f}"
                   f"{r['stock']['tokens_per_s']:>14.1f}{res[k + '_slowdown']:>9.2f}x"
                   f"{r['exact']['x_limit']:>12.1f}x{r['stock']['x_limit']:>12.1f}x")
     print(f"threads {res['threads']}; limit = FLOPs at the measured {res['gemm_peak_dtype']} GEMM peak "
@@ -161,6 +222,12 @@ def main(argv=None):
     if args.json:
         write_json(args.json, res)
     return 0
+
+
+def _arch_name(model) -> str:
+    from titan_rl.registry import architecture_of
+
+    return architecture_of(model).name
 
 
 if __name__ == "__main__":

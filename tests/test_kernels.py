@@ -57,6 +57,57 @@ def test_lm_head_fp32_matches_reference_and_is_row_invariant(rng):
         assert torch.equal(token_logprobs(lm_head_logits(h[:m], w.float()), tok[:m]), lp[:m])
 
 
+def _dpbf16_form():
+    from titan_rl.kernels.lm_head import torch_impl as head
+
+    if head.HEAD_FORM != "dpbf16":
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 LM head runs the fp32 form (tested above)")
+    return head
+
+
+@pytest.mark.parametrize("k,n", [(203, 997), (64, 77), (512, 1000)])
+def test_lm_head_dpbf16_is_row_layout_thread_invariant(k, n, rng, monkeypatch):
+    """The bf16 LM head (csrc/bf16_logits.cpp): fp32 logits within fp32 rounding of the fp64
+    products (tolerance: K terms of |h w| ~ 1, fp32 eps 2^-24, times sqrt(K)); every row's
+    bits alone == in any batch, at 1 and 2 threads, engine-prepared == trainer; its
+    gradients are the fp32 head's, bit for bit (the backward is the same code)."""
+    from tests._threads import threads
+
+    head = _dpbf16_form()
+    h = torch.randn(69, k, generator=rng).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=rng) * k**-0.5).to(torch.bfloat16)
+    full = lm_head_logits(h, w)
+    assert full.dtype == torch.float32 and full.shape == (69, n)
+    ref = h.double() @ w.double().t()
+    assert (full.double() - ref).abs().max().item() < 2**-24 * k**0.5 * 8
+    prepared = head.lm_head_weight(w)
+    assert isinstance(prepared, head.PackedHead)
+    assert torch.equal(lm_head_logits(h, prepared), full)
+    for m in (1, 2, 5, 6, 7, 13, 68):
+        assert torch.equal(lm_head_logits(h[:m], w), full[:m]), m
+        assert torch.equal(lm_head_logits(h[-m:], prepared), full[-m:]), m
+    with threads(1):
+        one = lm_head_logits(h, w)
+    with threads(2):
+        two = lm_head_logits(h, w)
+    assert torch.equal(one, full) and torch.equal(two, full)
+    # backward: the fp32 head's gradients (the forms' logits differ in rounding, not their gradients)
+    grads, g = {}, torch.randn(69, n, generator=rng)  # a linear loss: the same upstream gradient for both
+    for form in ("dpbf16", "fp32"):
+        monkeypatch.setattr(head, "HEAD_FORM", form)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        (lm_head_logits(hh, ww) * g).sum().backward()
+        grads[form] = (hh.grad, ww.grad)
+    assert torch.equal(grads["dpbf16"][0], grads["fp32"][0]) and torch.equal(grads["dpbf16"][1], grads["fp32"][1])
+
+
+def test_lm_head_dpbf16_refuses_fp32_hidden(rng):
+    head = _dpbf16_form()
+    w = torch.randn(40, 16, generator=rng).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="takes bf16 hidden states"):
+        lm_head_logits(torch.randn(3, 16, generator=rng), head.lm_head_weight(w))
+
+
 def _qkv(rng, B, L, H, Hkv, D, dtype):
     q = torch.randn(B, L, H, D, generator=rng).to(dtype)
     k = torch.randn(B, L, Hkv, D, generator=rng).to(dtype)

@@ -48,6 +48,31 @@ def test_row_invariant_and_matches_reference(rng, k, p):
     assert bool(kept.any(dim=1).all())
 
 
+@pytest.mark.parametrize("V", [1, 2, 997, 2049, 151_936])
+def test_compiled_stable_sort_is_torch_stable_sort(rng, V):
+    """The radix sort behind top-p returns exactly torch's stable order: ties by index,
+    -0 tied with +0 (values kept as given), -inf first, +inf then NaN last, odd widths."""
+    from titan_rl.kernels.sampling.torch_impl import stable_sort
+
+    N = 6 if V > 10_000 else 7
+    x = torch.randn(N, V, generator=rng) * 5
+    if V > 2:
+        x[0] = x[0].round()  # many ties
+        x[1, ::3] = 0.0
+        x[1, 1::3] = -0.0
+        x[2, : V // 2] = float("-inf")
+        x[2, V // 2 :: 5] = float("inf")
+        x[3, ::4] = float("nan")
+        x[4] = torch.tensor(1e-40).expand(V)  # subnormal, all tied
+        x[5, 1::2] = -x[5, 0 : V - 1 : 2]  # +a and -a pairs
+    vals, idx = stable_sort(x)
+    ref_vals, ref_idx = x.sort(dim=-1, stable=True)
+    assert torch.equal(idx, ref_idx)
+    assert torch.equal(vals.view(torch.int32), ref_vals.view(torch.int32))  # -0 stays -0, NaN bits too
+    if N > 1:  # a row's order does not depend on the rows beside it
+        assert torch.equal(stable_sort(x[1:2])[1], idx[1:2])
+
+
 def test_matches_vllm_pytorch_impl(rng):
     vllm_ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
     N, V = 16, 1024

@@ -94,9 +94,11 @@ def test_bf16_upcast_form_is_exact_too(tmp_path_factory, rng, monkeypatch):
     """The bf16 GEMM form of CPUs without bf16 instructions (operands upcast to fp32, one
     fp32 GEMM, rounded; the engine prepares its weights once) run here on purpose:
     trainer == engine, alone vs in a batch, with chunked prefill."""
+    from titan_rl.kernels.lm_head import torch_impl as head
     from titan_rl.kernels.matmul import torch_impl as mm
 
     monkeypatch.setattr(mm, "BF16_GEMM", "fp32")
+    monkeypatch.setattr(head, "HEAD_FORM", "fp32")  # and their LM head: the fp32 GEMM on upcast operands
     folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: build("debug").init_weights(seed, 0.05),
                                         "bfloat16")
     llm = make_llm(folder, dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
@@ -104,6 +106,7 @@ def test_bf16_upcast_form_is_exact_too(tmp_path_factory, rng, monkeypatch):
     assert engine_model(llm).model.layers[0].mlp.packed_gate_up.dtype == torch.float32
     prompts = _prompts(rng, [150, 3, 70, 20])
     res = _gen(llm, prompts, max_tokens=12)
+    assert isinstance(engine_model(llm)._lm_head_prepared, mm.PackedWeight)
     for pi, (_, mu, _) in zip(_trainer_logprobs(trainer, prompts, res), res):
         assert torch.equal(pi, mu), (pi - mu).abs().max()
     del llm

@@ -58,8 +58,30 @@ inline float softmax_weights(float* __restrict sg, int64_t n) {
   return lane_tree(lanes);
 }
 
-inline void axpy(float* __restrict acc, float p, const float* __restrict v, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
+// acc[d] = fma(p_j, v_j[d], acc[d]) for j = 0..n-1 in order (v rows of D floats): the
+// accumulator stays in registers for the usual head sizes.
+template <int DC>
+inline void accumulate_fixed(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n) {
+  float a[DC];
+  for (int d = 0; d < DC; ++d) a[d] = acc[d];
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* vj = v + j * DC;
+    for (int d = 0; d < DC; ++d) a[d] = __builtin_fmaf(pj, vj[d], a[d]);
+  }
+  for (int d = 0; d < DC; ++d) acc[d] = a[d];
+}
+
+inline void accumulate_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n,
+                            int64_t D) {
+  switch (D) {
+    case 64: return accumulate_fixed<64>(acc, p, v, n);
+    case 128: return accumulate_fixed<128>(acc, p, v, n);
+    case 256: return accumulate_fixed<256>(acc, p, v, n);
+    default:
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) acc[d] = __builtin_fmaf(p[j], v[j * D + d], acc[d]);
+  }
 }
 
 // Work items: (sequence, first query token, end) tiles of <= QTILE tokens, times kv heads.
@@ -80,8 +102,8 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
     }
   const int64_t n_tiles = static_cast<int64_t>(tiles.size()) / 3;
   at::parallel_for(0, n_tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(QTILE * G * D), vbuf(D), acc(QTILE * G * D), sc, lsum(QTILE * G);
-    std::vector<float> kblk(D * LANES);
+    std::vector<float> qf(QTILE * G * D), acc(QTILE * G * D), sc, lsum(QTILE * G);
+    std::vector<float> kblk(D * LANES), vblk(LANES * D);
     int64_t n_row[QTILE];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % Hkv, tile = item / Hkv;
@@ -139,14 +161,26 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
       // Pass 3: acc = sum_j p_j v_j (fma, j ascending); each value row loaded once for
       // all rows of the tile.
       for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
-      for (int64_t j = 0; j < n_max; ++j) {
-        const float* v = row_f32(vc + row_bt[j / page] * v_st[0] + h * v_st[1] + (j % page) * v_st[2],
-                                 vbuf.data(), D);
+      // LANES positions at a time (a block never crosses a page: pages are multiples of
+      // LANES): the block's value rows widened once, then each row accumulates over them
+      // (positions ascending: the same FMAs as one loop over j).
+      for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
+        const C* vb = vc + row_bt[j0 / page] * v_st[0] + h * v_st[1] + (j0 % page) * v_st[2];
+        const int64_t j1 = std::min(j0 + LANES, n_max);
+        const float* vf;
+        if (std::is_same_v<C, float> && v_st[2] == D) {
+          vf = reinterpret_cast<const float*>(vb);
+        } else {
+          for (int64_t j = j0; j < j1; ++j)
+            for (int64_t d = 0; d < D; ++d) vblk[(j - j0) * D + d] = to_f(vb[(j - j0) * v_st[2] + d]);
+          vf = vblk.data();
+        }
         for (int64_t i = 0; i < nt; ++i) {
-          if (j >= n_row[i]) continue;
+          const int64_t jn = std::min(j1, n_row[i]) - j0;
+          if (jn <= 0) continue;
           for (int64_t g = 0; g < G; ++g) {
             const int64_t r = i * G + g;
-            axpy(acc.data() + r * D, sc[r * n_pad + j], v, D);
+            accumulate_rows(acc.data() + r * D, sc.data() + r * n_pad + j0, vf, jn, D);
           }
         }
       }

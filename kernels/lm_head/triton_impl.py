@@ -40,9 +40,15 @@ def _log_softmax_kernel(x_ptr, y_ptr, V, stride_x, stride_y, BLOCK_V: tl.constex
         tl.store(y_ptr + row * stride_y + v0 + offs, x - lse, mask=mask)
 
 
-def lm_head_logits(hidden: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
-    """fp32 logits through the fixed-tile Triton GEMM."""
-    return linear(hidden.float(), weight_fp32)
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits through the fixed-tile Triton GEMM on fp32 operands (the weight in the
+    model's dtype, or its fp32 copy from `lm_head_weight`)."""
+    return linear(hidden.float(), weight if weight.dtype == torch.float32 else weight.float())
+
+
+def lm_head_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The engine's LM head weight, prepared once per load: an fp32 copy."""
+    return weight.detach().float().contiguous()
 
 
 def _log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:

@@ -138,8 +138,9 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (the engine computes them from its cached fp32 head: the same bits)."""
-        return self.ops.lm_head(hidden, self.lm_head.weight.float())
+        """fp32 logits (the engine computes them from its prepared head, kernels.lm_head_weight:
+        the same bits)."""
+        return self.ops.lm_head(hidden, self.lm_head.weight)
 
     # -- the trainer's batched forward -----------------------------------------------------
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

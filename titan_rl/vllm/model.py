@@ -24,7 +24,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from titan_rl.kernels import gemm_weight, lm_head_logits
+from titan_rl.kernels import gemm_weight, lm_head_logits, lm_head_weight
 from titan_rl.kernels.selfcheck import check_platform
 from titan_rl.models.layers import Linear, prepare_for_engine
 from titan_rl.models.options import ModelOptions
@@ -101,7 +101,7 @@ class TitanForCausalLM(nn.Module):
         self.cfg, self.options = cfg, net.options
         self.model, self.lm_head = net.model, net.lm_head
         object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
-        self._lm_head_fp32: torch.Tensor | None = None
+        self._lm_head_prepared: torch.Tensor | None = None
         self._dtype = vllm_config.model_config.dtype
         # parameter name -> the quantized Linear that holds it (as payload + scales once loaded)
         self._quantized = {f"{n}.weight": m for n, m in self.named_modules()
@@ -123,9 +123,9 @@ class TitanForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self._lm_head_fp32 is None:
-            self._lm_head_fp32 = gemm_weight(self.lm_head.weight.detach().float())
-        return lm_head_logits(hidden_states, self._lm_head_fp32)
+        if self._lm_head_prepared is None:
+            self._lm_head_prepared = lm_head_weight(self.lm_head.weight)
+        return lm_head_logits(hidden_states, self._lm_head_prepared)
 
     def weight_digests(self) -> dict[str, str]:
         """{parameter name: sha256 of the weight this engine's forward multiplies by}: its
@@ -165,6 +165,6 @@ class TitanForCausalLM(nn.Module):
             loaded.add(name)
         if self.cfg.tie_word_embeddings:
             loaded.add("lm_head.weight")
-        self._lm_head_fp32 = None  # refreshed from the new weights on next use
+        self._lm_head_prepared = None  # refreshed from the new weights on next use
         prepare_for_engine(self._net)
         return loaded

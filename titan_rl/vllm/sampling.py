@@ -90,13 +90,33 @@ def _installed_apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p
 _installed_apply_top_k_top_p._titan_rl = True  # type: ignore[attr-defined]
 
 
+_VLLM_OWN: list = []  # vLLM's apply_top_k_top_p, kept by install()
+
+
 def install() -> None:
     """Make vLLM's top-k/top-p (CPU and native paths) call our kernel. Idempotent."""
     import vllm.v1.sample.ops.topk_topp_sampler as m
 
     if getattr(m.apply_top_k_top_p, "_titan_rl", False):
         return
+    _VLLM_OWN[:] = [m.apply_top_k_top_p]
     m.apply_top_k_top_p = _installed_apply_top_k_top_p
+
+
+@contextlib.contextmanager
+def vllm_own_top_k_top_p():
+    """Inside: vLLM's own top-k/top-p again (after install()), for a stock engine that
+    shares the process with an exact one (benchmarks comparing the two side by side)."""
+    import vllm.v1.sample.ops.topk_topp_sampler as m
+
+    if not _VLLM_OWN or not getattr(m.apply_top_k_top_p, "_titan_rl", False):
+        yield
+        return
+    m.apply_top_k_top_p = _VLLM_OWN[0]
+    try:
+        yield
+    finally:
+        m.apply_top_k_top_p = _installed_apply_top_k_top_p
 
 
 def install_logprobs() -> None:

@@ -1,0 +1,151 @@
+// LM head from bf16 operands to fp32 logits with the CPU's bf16 dot-product instruction
+// (AVX512-BF16 vdpbf16ps): logits[m, n] = sum over k of h[m, k] * w[n, k], each product
+// exact in fp32 (8-bit by 8-bit significands), accumulated in fp32. It reads the bf16
+// weight (half the bytes of an fp32 copy) and runs at bf16 GEMM speed where an fp32 head
+// on upcast operands runs at fp32 speed.
+//
+// Why the bits are batch-invariant: an output is one fp32 lane of one accumulator, fed
+// by vdpbf16ps over k-pairs 0, 1, ..., KP-1 in that order, starting from +0. SIMD lanes
+// are independent, so neither the lane an output sits in, nor how many rows share the
+// call, nor the tile it falls in, nor the thread that runs it changes its instruction
+// sequence. Tails (rows of M, columns of N, an odd K) use the same instructions on
+// zero-padded operands, so they too compute every output the same way.
+//
+// The weight is packed once ([N/32 blocks][K/2 pairs][32 columns][2], zero-padded), the
+// layout the instruction wants: a pair (h[m, 2p], h[m, 2p+1]) broadcast against 16
+// columns' pairs. The engine packs per weight load, the trainer per call.
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define TITAN_RL_DPBF16 1
+#endif
+
+namespace titan_rl {
+namespace {
+
+constexpr int64_t NB = 32;  // columns per packed block (two 16-lane accumulators)
+constexpr int64_t MR = 8;   // rows per micro-tile (16 accumulators)
+constexpr int64_t MC = 192; // rows kept hot in cache while the weight streams by
+
+bool available() {
+#ifdef TITAN_RL_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16 -> packed [ceil(N/32), ceil(K/2), 32, 2] bf16, zeros past N and K.
+at::Tensor pack(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kBFloat16, "bf16_logits_pack: a 2D bfloat16 weight");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), nb = (N + NB - 1) / NB, kp = (K + 1) / 2;
+  at::Tensor p = at::zeros({nb, kp, NB, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(p.data_ptr());
+  at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c = 0; c < NB && b * NB + c < N; ++c) {
+        const uint16_t* row = src + (b * NB + c) * K;
+        for (int64_t k = 0; k < K; ++k) dst[((b * kp + k / 2) * NB + c) * 2 + (k & 1)] = row[k];
+      }
+  });
+  return p;
+}
+
+#ifdef TITAN_RL_DPBF16
+// rows r < R of a micro-tile: out[r, 0:32] = sum_p h_pairs[r][p] . packed[p]
+template <int R>
+inline void tile(const uint32_t* const* h, const uint16_t* wb, int64_t kp, float* const* out, int64_t ncols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * NB * 2);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * NB * 2 + 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(h[r][p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(out[r], m0, acc[r][0]);
+    _mm512_mask_storeu_ps(out[r] + 16, m1, acc[r][1]);
+  }
+}
+
+template <int R>
+void rows_tile(const uint32_t* h, int64_t m0, int64_t kp, const uint16_t* wb, float* o, int64_t N, int64_t n0) {
+  const uint32_t* hr[MR];
+  float* orow[MR];
+  for (int r = 0; r < R; ++r) {
+    hr[r] = h + (m0 + r) * kp;
+    orow[r] = o + (m0 + r) * N + n0;
+  }
+  tile<R>(hr, wb, kp, orow, N - n0 < NB ? N - n0 : NB);
+}
+#endif
+
+// h [M, K] bf16, packed from `pack` (N given) -> [M, N] fp32
+at::Tensor logits(const at::Tensor& h_in, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(available(), "bf16_logits: this build has no AVX512-BF16 (the CPU or compiler lacks it)");
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kBFloat16, "bf16_logits: a 2D bfloat16 input");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2 && packed.size(0) * NB >= N,
+              "bf16_logits: the weight must come from bf16_logits_pack");
+  const int64_t M = h_in.size(0), K = h_in.size(1), kp = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == kp, "bf16_logits: input has K = ", K, ", the packed weight ", 2 * kp);
+  // rows as k-pairs; an odd K gets one zero column (the packed weight has zeros there too)
+  at::Tensor h = h_in.contiguous();
+  if (K % 2) {
+    at::Tensor hp = at::zeros({M, 2 * kp}, h.options());
+    hp.narrow(1, 0, K).copy_(h);
+    h = hp;
+  }
+  at::Tensor o = at::empty({M, N}, h.options().dtype(at::kFloat));
+#ifdef TITAN_RL_DPBF16
+  const uint32_t* hp = reinterpret_cast<const uint32_t*>(h.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  float* op = o.data_ptr<float>();
+  const int64_t nb = (N + NB - 1) / NB;
+  for (int64_t mc = 0; mc < M; mc += MC) {
+    const int64_t me = mc + MC < M ? mc + MC : M;
+    at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint16_t* wb = wp + b * kp * NB * 2;
+        int64_t m = mc;
+        for (; m + MR <= me; m += MR) rows_tile<MR>(hp, m, kp, wb, op, N, b * NB);
+        switch (me - m) {
+          case 7: rows_tile<7>(hp, m, kp, wb, op, N, b * NB); break;
+          case 6: rows_tile<6>(hp, m, kp, wb, op, N, b * NB); break;
+          case 5: rows_tile<5>(hp, m, kp, wb, op, N, b * NB); break;
+          case 4: rows_tile<4>(hp, m, kp, wb, op, N, b * NB); break;
+          case 3: rows_tile<3>(hp, m, kp, wb, op, N, b * NB); break;
+          case 2: rows_tile<2>(hp, m, kp, wb, op, N, b * NB); break;
+          case 1: rows_tile<1>(hp, m, kp, wb, op, N, b * NB); break;
+          default: break;
+        }
+      }
+    });
+  }
+#endif
+  return o;
+}
+
+}  // namespace
+}  // namespace titan_rl
+
+TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
+  m.def("bf16_logits_available() -> bool", &titan_rl::available);
+  m.def("bf16_logits_pack(Tensor weight) -> Tensor", &titan_rl::pack);
+  m.def("bf16_logits(Tensor hidden, Tensor packed, int n) -> Tensor", &titan_rl::logits);
+}
