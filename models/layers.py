@@ -72,6 +72,11 @@ class Linear(nn.Module):
         self.gemm_weight = None  # engine: `weight` prepared for the GEMM (prepare_for_engine)
         self.qweight = None  # engine: the weight as payload + scales (load_quantized; `weight` is then None)
 
+    @property
+    def out_rows(self) -> int:
+        """Rows of the weight this module holds (its own slice under the engine's TP)."""
+        return (self.weight if self.weight is not None else self.qweight.payload).shape[0]
+
     def operand_input(self, x: torch.Tensor) -> torch.Tensor:
         """The input the GEMM sees: per-row fake-quantized when the recipe quantizes inputs."""
         if not self.quant_input:
@@ -93,19 +98,21 @@ class Linear(nn.Module):
 
     def forward(self, x):
         fn = self.ops.linear_for(self.kind)
+        if self.gemm_weight is not None and fn is self.ops.linear:
+            return fn(self.operand_input(x), self.gemm_weight)
         if self.recipe is not None:
             return fn(self.operand_input(x), self.operand_weight())
-        if self.gemm_weight is not None and fn is self.ops.linear:
-            return fn(x, self.gemm_weight)
         return fn(x, self.weight)
 
     # -- the engine's side -----------------------------------------------------------------
     def prepare_for_engine(self) -> list[nn.Module]:
         """Prepare the weight for the GEMM once per load (the trainer prepares it per call:
-        the same bits). Quantized weights are dequantized per call instead. Returns the
-        modules whose weights this covered."""
-        if self.recipe is None:
-            self.gemm_weight = gemm_weight(self.weight)
+        the same bits). A quantized weight is dequantized from the held payload here, once
+        per load, not per forward: the GEMM then reads the same dense values the trainer's
+        fake-quantized master gives, prepared (CPUs have no fp8 / fp4 GEMM; the payload
+        stays for syncs and checksums, at the cost of holding the dense copy too).
+        Returns the modules whose weights this covered."""
+        self.gemm_weight = gemm_weight(self.operand_weight().detach())
         return [self]
 
     def load_quantized(self, name: str, tensor, dtype: torch.dtype) -> None:
@@ -129,10 +136,11 @@ class Linear(nn.Module):
 
 def fused_gemm_weight(mods: list[Linear]):
     """One prepared weight for modules that read the same input (q/k/v, gate/up:
-    Ops.same_input), or None where they do not fuse (quantized, or TP pieces)."""
-    if mods[0].recipe is not None or not mods[0].ops.fuse_same_input or mods[0].ops.tp_leaves:
+    Ops.same_input), or None where they do not fuse (TP pieces). Quantized modules fuse
+    their dequantized weights, each quantized on its own."""
+    if not mods[0].ops.fuse_same_input or mods[0].ops.tp_leaves:
         return None
-    return gemm_weight(torch.cat([m.weight for m in mods]).detach())
+    return gemm_weight(torch.cat([m.operand_weight() for m in mods]).detach())
 
 
 def prepare_for_engine(model: nn.Module) -> None:

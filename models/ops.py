@@ -108,10 +108,11 @@ class Ops:
         if not self.fuse_same_input or self.tp_leaves or any(isinstance(w, DTensor) for w in ws):
             return [m(x) for m in mods]
         if mods[0].recipe is not None:
-            ws = [m.operand_weight() for m in mods]
-            x, packed = mods[0].operand_input(x), None
+            x = mods[0].operand_input(x)
+            if packed is None:
+                ws = [m.operand_weight() for m in mods]
         y = self.linear(x, torch.cat(ws) if packed is None else packed)
-        return list(y.split([w.shape[0] for w in ws], -1))
+        return list(y.split([m.out_rows for m in mods], -1))
 
 
 # -- the stock functions (plain torch) ------------------------------------------------------

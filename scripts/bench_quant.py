@@ -5,8 +5,9 @@ a quantized forward's extra time goes (weight dequantization, activation fake-qu
 
     python scripts/bench_quant.py [--flavor debug] [--recipes none,fp8_rowwise,...] [--json OUT]
 
-CPU: every recipe is emulated (payloads dequantized to the model dtype, then the
-invariant bf16/fp32 GEMM), so "faster" is not expected here; the bytes are real.
+CPU: every recipe is emulated (the engine dequantizes each payload once per load, then the
+invariant bf16/fp32 GEMM; inputs are fake-quantized per call), so "faster" is not expected
+here; the bytes are real. "engine deq ms" is that once-per-load cost, for all weights.
 """
 
 from __future__ import annotations

@@ -177,3 +177,64 @@ def test_fake_quantize_gradient_is_straight_through():
     g = torch.randn_like(y)
     y.backward(g)
     assert torch.equal(x.grad, g)
+
+
+def _bit_view(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_fp8_rowwise_fake_quantize_is_torchaos_composition(dtype):
+    """The compiled one-pass fp8_rowwise fake quantization (csrc/fake_quant.cpp) against
+    dequantize(quantize(x)) on torchao's primitives: fresh random shapes (odd K), row
+    magnitudes from 1e-14 (below the amax floor) to 1e6, zero rows, +-inf and NaN.
+    Bits equal everywhere except NaN payloads (NaN positions must agree)."""
+    from titan_rl.kernels.quant.torch_impl import fp8_dequantize, fp8_rowwise, fp8_rowwise_fake
+
+    g = torch.Generator()
+    g.seed()
+    for trial in range(60):
+        m, k = int(torch.randint(1, 300, (), generator=g)), int(torch.randint(2, 300, (), generator=g))  # torchao: K >= 2
+        mag = 10.0 ** (torch.rand(m, 1, generator=g) * 20 - 14)
+        x = (torch.randn(m, k, generator=g) * mag).to(dtype)
+        if trial % 3 == 0:
+            x[0] = 0
+        if trial % 5 == 0:
+            x[-1, ::3] = float("inf") if trial % 2 else float("-inf")
+        if trial % 7 == 0:
+            x[m // 2, k // 2] = float("nan")
+        want = fp8_dequantize(*fp8_rowwise(x), dtype)
+        got = fp8_rowwise_fake(x)
+        assert torch.equal(got.isnan(), want.isnan()), (m, k)
+        assert torch.equal(torch.where(got.isnan(), 0, _bit_view(got)), torch.where(want.isnan(), 0, _bit_view(want))), (m, k)
+        if m > 1:  # a row alone gives its bits inside the batch
+            assert torch.equal(_bit_view(fp8_rowwise_fake(x[1:2])), _bit_view(got[1:2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_nvfp4_fake_quantize_is_torchaos_composition(dtype):
+    """The compiled nvfp4 fake quantization (csrc/fake_quant.cpp) against
+    nvfp4_dequantize(nvfp4_weight(x)) / nvfp4_activation(x) on torchao's primitives: fresh
+    random shapes (K a multiple of the block of 16, odd block counts), row magnitudes from
+    1e-14 (below the scale floors) to 1e6, zero rows, blocks far below the row's amax; one
+    global scale (weights) and one per row (nvfp4_w4a4 activations). Bits equal."""
+    from titan_rl.kernels.quant import fake_quantize
+    from titan_rl.kernels.quant.torch_impl import nvfp4_activation, nvfp4_dequantize, nvfp4_weight
+
+    g = torch.Generator()
+    g.seed()
+    for trial in range(60):
+        m, k = int(torch.randint(1, 70, (), generator=g)), 16 * int(torch.randint(1, 40, (), generator=g))
+        mag = 10.0 ** (torch.rand(m, 1, generator=g) * 20 - 14)
+        x = (torch.randn(m, k, generator=g) * mag).to(dtype)
+        if trial % 3 == 0:
+            x[0] = 0
+        if trial % 4 == 0:
+            x[:, :16] *= 1e-6
+        for recipe, role, fn in [("nvfp4", "weight", nvfp4_weight), ("nvfp4_w4a4", "activation", nvfp4_activation)]:
+            want = nvfp4_dequantize(*fn(x), dtype)
+            got = fake_quantize(x, recipe, role)
+            assert torch.equal(_bit_view(got), _bit_view(want)), (recipe, m, k)
+        if m > 1:  # activations: a row alone gives its bits inside the batch
+            assert torch.equal(_bit_view(fake_quantize(x[1:2], "nvfp4_w4a4", "activation")),
+                               _bit_view(fake_quantize(x, "nvfp4_w4a4", "activation")[1:2]))

@@ -79,17 +79,32 @@ class _StraightThrough(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, recipe, role):
-        payload, scales = quantize(x, recipe, role)
-        return dequantize(payload, scales, recipe, x.dtype)
+        return _fake_quantize_values(x, recipe, role)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None
 
 
+def _fake_quantize_values(x: torch.Tensor, recipe: QuantRecipe, role: Role) -> torch.Tensor:
+    """The fake-quantized values, no gradient (called without one: the engine, or inside
+    _StraightThrough.forward). Per call on every quantized linear: kept lean."""
+    impl = _impl(recipe)
+    fused = impl.fake_quantize_weight if role == "weight" else impl.fake_quantize_activation
+    if fused is not None and role in ROLES and x.device.type == "cpu":  # the compiled forms run on CPU
+        impl.check(x, recipe, role)
+        return fused(x)
+    payload, scales = quantize(x, recipe, role)
+    return dequantize(payload, scales, recipe, x.dtype)
+
+
 def fake_quantize(x: torch.Tensor, recipe: QuantRecipe, role: Role) -> torch.Tensor:
-    """dequantize(quantize(x, recipe, role), recipe, x.dtype); gradients pass straight through."""
-    return _StraightThrough.apply(x, recipe, role)
+    """dequantize(quantize(x, recipe, role), recipe, x.dtype); gradients pass straight through.
+    Without a gradient to carry (the engine, no_grad) the autograd Function is skipped:
+    its per-call overhead is most of a decode-sized call."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _StraightThrough.apply(x, recipe, role)
+    return _fake_quantize_values(x, recipe, role)
 
 
 def quantizes_activations(recipe: QuantRecipe) -> bool:
