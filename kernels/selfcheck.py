@@ -79,10 +79,16 @@ def platform_choices(device: torch.device | str = "cpu") -> dict:
 
     return {"backend": backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM,
             "bf16_gemm": mm.BF16_GEMM, "lm_head": _head_form(), "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
-            "attention": "compiled, fixed order per row (kernels/csrc/paged_attention.cpp)",
+            "attention": f"compiled, fixed order per row (kernels/csrc/paged_attention.cpp), bf16 form {_attn_form()}",
             "elementwise": "compiled silu_mul; RoPE from a chunked table",
             # not the thread count itself: the self-check proves the outputs equal at 1, 2 and the current count
             "threads": "not bit-relevant (the self-check compares 1, 2 and the current count)"}
+
+
+def _attn_form() -> str:
+    from titan_rl.kernels.attention.torch_impl import ATTN_FORM
+
+    return ATTN_FORM
 
 
 def _head_form() -> str:

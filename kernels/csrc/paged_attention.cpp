@@ -31,10 +31,17 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TITAN_RL_ATTN_DPBF16 1
+#endif
+
 namespace titan_rl {
 namespace {
 
-constexpr int64_t QTILE = 4;  // query tokens of one sequence sharing each key/value load
+// query tokens of one sequence sharing each key/value load: the fp32 form / the bf16 form
+// (whose passes are cheaper, so the K/V traffic of small tiles dominated at long prompts)
+constexpr int64_t QTILE = 4, QTILE_BF16 = 16, QTILE_MAX = 16;
 
 template <typename C>
 inline const float* row_f32(const C* src, float* buf, int64_t D) {
@@ -84,27 +91,175 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict p, co
   }
 }
 
-// Work items: (sequence, first query token, end) tiles of <= QTILE tokens, times kv heads.
+#ifdef TITAN_RL_ATTN_DPBF16
+// The bf16 form (bf16 queries and cache, D a multiple of 32, the CPU has AVX512-BF16;
+// chosen per call by the caller, reported by the self-check): the same three passes, with
+// the CPU's bf16 dot product (vdpbf16ps: two exact bf16 products added to an fp32 lane, in
+// the instruction's fixed order; subnormal inputs read as 0) in place of fp32 FMAs:
+//   scores s_j = ((A0 + A1) + (A2 + A3)) * scale, A_c = vdpbf16ps-accumulated in order over
+//     the d-pairs c, c+4, c+8, ... of (q_2p k_j,2p + q_2p+1 k_j,2p+1);
+//   m, p_j, l as in the fp32 form (p_j and l in fp32);
+//   acc = vdpbf16ps over position pairs (j, j+1), j = 0, 2, 4, ... (p rounded to bf16),
+//     a last unpaired position (n odd) by one fp32 FMA of bf16(p_j) and v_j;
+//   out = acc / l, rounded to bf16.
+// Every step is fixed by the row's own n, so the invariance argument is the fp32 form's.
+
+// (a[0], b[0], a[1], b[1], ..., a[15], b[15]) from two rows of 16 bf16
+inline __m512i interleave16(const uint16_t* a, const uint16_t* b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+  return _mm512_permutexvar_epi16(idx, ab);
+}
+
+// Scores of one row at LANES positions from the pair block kp[D/2][LANES][2].
+inline void block_scores_dpbf16(const uint32_t* __restrict qpairs, const __m512i* __restrict kp, int64_t D,
+                                float scale, float* __restrict out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; p += 4) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p])), (__m512bh)kp[p]);
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 1])), (__m512bh)kp[p + 1]);
+    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 2])), (__m512bh)kp[p + 2]);
+    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 3])), (__m512bh)kp[p + 3]);
+  }
+  const __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_set1_ps(scale));
+  _mm512_storeu_ps(out, s);
+}
+
+// acc[D] += sum over positions [0, jn) of a block: pairs from vp[pair][D/16] (interleaved
+// value rows), weights pb (bf16 bits of p); an odd last position by fp32 FMA.
+template <int DC>
+inline void accumulate_dpbf16(float* __restrict acc, const uint16_t* __restrict pb, const __m512i* __restrict vp,
+                              const uint16_t* __restrict vlast, int64_t jn) {
+  constexpr int NV = DC / 16;
+  __m512 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  const int64_t pairs = jn / 2;
+  for (int64_t t = 0; t < pairs; ++t) {
+    const uint32_t w = static_cast<uint32_t>(pb[2 * t]) | (static_cast<uint32_t>(pb[2 * t + 1]) << 16);
+    const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+    for (int c = 0; c < NV; ++c) a[c] = _mm512_dpbf16_ps(a[c], wb, (__m512bh)vp[t * NV + c]);
+  }
+  if (jn & 1) {
+    const __m512 w = _mm512_set1_ps(bf16_to_f(pb[jn - 1]));
+    for (int c = 0; c < NV; ++c) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vlast + 16 * c));
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      a[c] = _mm512_fmadd_ps(w, v, a[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+inline void accumulate_rows_dpbf16(float* acc, const uint16_t* pb, const __m512i* vp, const uint16_t* vlast,
+                                   int64_t jn, int64_t D) {
+  switch (D) {
+#define TITAN_ATTN_D(n) \
+  case n: return accumulate_dpbf16<n>(acc, pb, vp, vlast, jn);
+    TITAN_ATTN_D(16) TITAN_ATTN_D(32) TITAN_ATTN_D(48) TITAN_ATTN_D(64) TITAN_ATTN_D(80) TITAN_ATTN_D(96)
+    TITAN_ATTN_D(112) TITAN_ATTN_D(128) TITAN_ATTN_D(144) TITAN_ATTN_D(160) TITAN_ATTN_D(176) TITAN_ATTN_D(192)
+    TITAN_ATTN_D(208) TITAN_ATTN_D(224) TITAN_ATTN_D(240) TITAN_ATTN_D(256)
+#undef TITAN_ATTN_D
+    default: TORCH_CHECK(false, "paged_attention: the bf16 form takes head_dim <= 256");
+  }
+}
+#endif
+
+bool dpbf16_form_available() {
+#ifdef TITAN_RL_ATTN_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+
+#ifdef TITAN_RL_ATTN_DPBF16
+// One tile (nt query tokens x G heads of kv head h) in the bf16 form: acc [R, D] and
+// lsum [R] out; the caller divides and rounds.
+inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q_h, const c10::BFloat16* kc,
+                                  const c10::BFloat16* vc, const int64_t* k_st, const int64_t* v_st,
+                                  const int64_t* row_bt, int64_t page, int64_t h, int64_t G, int64_t D, int64_t t0,
+                                  int64_t nt, const int64_t* n_row, int64_t n_max, int64_t n_pad, float scale,
+                                  uint32_t* qp, float* sc, std::vector<uint16_t>& pbuf, __m512i* kp, __m512i* vp,
+                                  float* lsum, float* acc) {
+  const int64_t R = nt * G, DP = D / 2, NV = D / 16;
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(qp + (i * G + g) * DP, q + (t0 + i) * q_t + (h * G + g) * q_h, D * sizeof(uint16_t));
+  // Pass 1: scores; the [D, LANES] key block re-laid as d-pairs once for all rows.
+  for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
+    const uint16_t* kt =
+        reinterpret_cast<const uint16_t*>(kc + row_bt[j0 / page] * k_st[0] + h * k_st[1] + (j0 % page));
+    for (int64_t p = 0; p < DP; ++p) kp[p] = interleave16(kt + 2 * p * k_st[2], kt + (2 * p + 1) * k_st[2]);
+    int64_t r_end = 0;
+    for (int64_t i = 0; i < nt; ++i)
+      if (n_row[i] > j0) r_end = (i + 1) * G;
+    for (int64_t r = 0; r < r_end; ++r) block_scores_dpbf16(qp + r * DP, kp, D, scale, sc + r * n_pad + j0);
+  }
+  // Pass 2: softmax weights (fp32) and their sum; the weights rounded to bf16 for pass 3.
+  pbuf.resize(R * n_pad);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = n_row[r / G];
+    float* sr = sc + r * n_pad;
+    lsum[r] = softmax_weights(sr, n);
+    for (int64_t j = 0; j < n; ++j) pbuf[r * n_pad + j] = f_to_bf16(sr[j]);
+  }
+  // Pass 3: value rows of a block interleaved by position pairs once for all rows.
+  for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
+  for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
+    const uint16_t* vb =
+        reinterpret_cast<const uint16_t*>(vc + row_bt[j0 / page] * v_st[0] + h * v_st[1] + (j0 % page) * v_st[2]);
+    const int64_t j1 = std::min(j0 + LANES, n_max), full_pairs = (j1 - j0) / 2;
+    for (int64_t t = 0; t < full_pairs; ++t)
+      for (int64_t c = 0; c < NV; ++c)
+        vp[t * NV + c] = interleave16(vb + (2 * t) * v_st[2] + 16 * c, vb + (2 * t + 1) * v_st[2] + 16 * c);
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t jn = std::min(j1, n_row[i]) - j0;
+      if (jn <= 0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        accumulate_rows_dpbf16(acc + r * D, pbuf.data() + r * n_pad + j0, vp, vb + (jn - 1) * v_st[2], jn, D);
+      }
+    }
+  }
+}
+#endif
+
+// Work items: (sequence, first query token, end) tiles of <= qtile tokens, times kv heads.
 // A row's arithmetic is the same whichever tile it is in: each tile member only skips
 // the positions past its own.
 template <typename TQ, typename C>
 void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C* vc, const int64_t* k_st,
                     const int64_t* v_st, const int64_t* qsl, const int64_t* seq_lens, const int64_t* bt,
                     int64_t bt_s, int64_t page, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale,
-                    TQ* out) {
+                    TQ* out, bool dots) {
   const int64_t G = H / Hkv;
+#ifdef TITAN_RL_ATTN_DPBF16
+  constexpr bool BF16_BOTH = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
+#else
+  constexpr bool BF16_BOTH = false;
+  (void)dots;
+#endif
+  const int64_t qtile = BF16_BOTH && dots ? QTILE_BF16 : QTILE;
   std::vector<int64_t> tiles;  // (s, t0, t1) triples
   for (int64_t s = 0; s < S; ++s)
-    for (int64_t t = qsl[s]; t < qsl[s + 1]; t += QTILE) {
+    for (int64_t t = qsl[s]; t < qsl[s + 1]; t += qtile) {
       tiles.push_back(s);
       tiles.push_back(t);
-      tiles.push_back(std::min(t + QTILE, qsl[s + 1]));
+      tiles.push_back(std::min(t + qtile, qsl[s + 1]));
     }
   const int64_t n_tiles = static_cast<int64_t>(tiles.size()) / 3;
   at::parallel_for(0, n_tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(QTILE * G * D), acc(QTILE * G * D), sc, lsum(QTILE * G);
+    std::vector<float> qf(qtile * G * D), acc(qtile * G * D), sc, lsum(qtile * G);
     std::vector<float> kblk(D * LANES), vblk(LANES * D);
-    int64_t n_row[QTILE];
+#ifdef TITAN_RL_ATTN_DPBF16
+    std::vector<uint32_t> qp(BF16_BOTH && dots ? qtile * G * D / 2 : 0);
+    std::vector<uint16_t> pbuf;
+    std::vector<__m512i> kp(BF16_BOTH && dots ? D / 2 : 0), vp(BF16_BOTH && dots ? LANES / 2 * D / 16 : 0);
+#endif
+    int64_t n_row[QTILE_MAX];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % Hkv, tile = item / Hkv;
       const int64_t s = tiles[3 * tile], t0 = tiles[3 * tile + 1], t1 = tiles[3 * tile + 2];
@@ -120,6 +275,22 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
           for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_f(qr[d]);
         }
       const int64_t* row_bt = bt + s * bt_s;
+#ifdef TITAN_RL_ATTN_DPBF16
+      if constexpr (BF16_BOTH) {
+        if (dots) {
+          attention_tile_dpbf16(q, q_t, q_h, kc, vc, k_st, v_st, row_bt, page, h, G, D, t0, nt, n_row, n_max, n_pad,
+                                scale, qp.data(), sc.data(), pbuf, kp.data(), vp.data(), lsum.data(), acc.data());
+          for (int64_t i = 0; i < nt; ++i)
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t r = i * G + g;
+              TQ* o = out + (t0 + i) * H * D + (h * G + g) * D;
+              const float l = lsum[r];
+              for (int64_t d = 0; d < D; ++d) o[d] = from_f<TQ>(acc[r * D + d] / l);
+            }
+          continue;
+        }
+      }
+#endif
       // Pass 1: scores, LANES positions at a time from the transposed keys.
       for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
         const C* kt = kc + row_bt[j0 / page] * k_st[0] + h * k_st[1] + (j0 % page);
@@ -201,7 +372,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 // multiple of LANES. Returns [T, H, D] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale) {
+                           const at::Tensor& block_table, double scale, bool bf16_dots) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_attention: cache rows must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k/v dtypes differ");
@@ -222,10 +393,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   const int64_t kst[3] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};  // page, head, d
   const int64_t vst[3] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   const float sc = static_cast<float>(scale);
+  const bool dots = bf16_dots && dpbf16_form_available() && D <= 256;
 #define TITAN_ATTN(TQ, TC)                                                                                         \
   attention_rows<TQ, TC>(q.data_ptr<TQ>(), q.stride(0), q.stride(1), k_cache.data_ptr<TC>(),                      \
                          v_cache.data_ptr<TC>(), kst, vst, qsl.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),          \
-                         bt.data_ptr<int64_t>(), bt.size(1), page, S, H, Hkv, D, sc, out.data_ptr<TQ>())
+                         bt.data_ptr<int64_t>(), bt.size(1), page, S, H, Hkv, D, sc, out.data_ptr<TQ>(), dots)
   const bool qb = q.scalar_type() == at::kBFloat16, cb = k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK((qb || q.scalar_type() == at::kFloat) && (cb || k_cache.scalar_type() == at::kFloat),
               "paged_attention: float32 or bfloat16 only");
@@ -242,6 +414,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 
 TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_table, float scale) -> Tensor",
+        "Tensor block_table, float scale, bool bf16_dots=False) -> Tensor",
         &titan_rl::paged_attention);
+  m.def("paged_attention_dpbf16_available() -> bool", &titan_rl::dpbf16_form_available);
 }
