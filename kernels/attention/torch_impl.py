@@ -10,8 +10,9 @@ thread count. The kernel reads keys and values in place through a page table.
 The cache layout is ours (`kv_cache_write` is the one writer): vLLM's CPU cache
 [pages, Hkv, 2, page, D] holds, per page and kv head, the keys TRANSPOSED ([D, page]:
 the scores of 16 consecutive positions are one vector operation per d) and then the
-values ([page, D]). The trainer's dense keys and values go in as a copy in pages of
-DENSE_PAGE positions (keys transposed).
+values ([page, D]); the bf16 form stores both in pairs (keys [D/2, page, 2], values
+[page/2, D, 2]: what one bf16 dot-product instruction reads is one cache line). The trainer's dense keys and values go in as a copy in pages of
+DENSE_PAGE positions, in the layout of the form.
 
 Two forms for bf16 queries and caches, chosen once per platform (`ATTN_FORM`, reported by
 the self-check and the execution contract): "dpbf16" where the CPU has AVX512-BF16 (scores
@@ -42,8 +43,9 @@ def _dpbf16_available() -> bool:
 ATTN_FORM = "dpbf16" if _dpbf16_available() else "fp32"
 
 
-def _dots() -> bool:
-    return ATTN_FORM == "dpbf16"
+def _dots(dtype: torch.dtype, head_dim: int) -> bool:
+    """The bf16 form for this cache: its writer (pair layout) and its reader agree on it."""
+    return ATTN_FORM == "dpbf16" and dtype == torch.bfloat16 and head_dim <= 256
 
 
 DENSE_PAGE = 64  # positions per page of the trainer's copy (a multiple of LANES)
@@ -61,13 +63,17 @@ def _dense_forward(q, k, v, scale):
     Lp = n_pages * DENSE_PAGE
     if Lp != L:
         k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, Lp - L)) for t in (k, v))
-    # [B, Lp, Hkv, D] -> pages [B * n_pages, Hkv, D, page] (keys transposed) / [.., page, D]
-    kt = k.reshape(B, n_pages, DENSE_PAGE, hkv, D).permute(0, 1, 3, 4, 2).contiguous().view(B * n_pages, hkv, D, DENSE_PAGE)
-    vv = v.reshape(B, n_pages, DENSE_PAGE, hkv, D).permute(0, 1, 3, 2, 4).reshape(B * n_pages, hkv, DENSE_PAGE, D)
+    P, dots = DENSE_PAGE, _dots(k.dtype, D) and q.dtype == torch.bfloat16
+    if dots:  # the pair layout (kv_cache_write): keys [D/2, page, 2], values [page/2, D, 2]
+        kt = k.reshape(B, n_pages, P, hkv, D // 2, 2).permute(0, 1, 3, 4, 2, 5).contiguous().view(B * n_pages, hkv, D, P)
+        vv = v.reshape(B, n_pages, P // 2, 2, hkv, D).permute(0, 1, 4, 2, 5, 3).contiguous().view(B * n_pages, hkv, P, D)
+    else:  # keys transposed [D, page], values [page, D]
+        kt = k.reshape(B, n_pages, P, hkv, D).permute(0, 1, 3, 4, 2).contiguous().view(B * n_pages, hkv, D, P)
+        vv = v.reshape(B, n_pages, P, hkv, D).permute(0, 1, 3, 2, 4).reshape(B * n_pages, hkv, P, D)
     qsl = torch.arange(B + 1, device=dev) * L
     seq_lens = torch.full((B,), L, device=dev, dtype=torch.long)
     pages = torch.arange(B * n_pages, device=dev).view(B, n_pages)
-    out = _ops().paged_attention(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, _dots())
+    out = _ops().paged_attention(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots)
     return out.view(B, L, H, D)
 
 
@@ -111,7 +117,7 @@ def kv_cache_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Store key/value [n, Hkv, D] of n tokens at cache slots [n] (page * page_size +
     offset; all >= 0) in the layout attention_paged reads; kv_cache contiguous (vLLM's
     per-layer cache is)."""
-    _ops().kv_cache_write(kv_cache, key, value, slots)
+    _ops().kv_cache_write(kv_cache, key, value, slots, _dots(kv_cache.dtype, kv_cache.shape[-1]))
 
 
 def attention_paged(
@@ -131,4 +137,7 @@ def attention_paged(
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
     kt, vv = _halves(kv_cache)
-    return _ops().paged_attention(q, kt, vv, query_start_loc, seq_lens, block_table, scale, _dots())
+    dots = _dots(kv_cache.dtype, kv_cache.shape[-1])
+    if dots and q.dtype != torch.bfloat16:
+        raise TypeError(f"attention_paged: a bfloat16 cache in the bf16 form takes bfloat16 queries; got {q.dtype}")
+    return _ops().paged_attention(q, kt, vv, query_start_loc, seq_lens, block_table, scale, dots)

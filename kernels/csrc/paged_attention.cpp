@@ -15,8 +15,8 @@
 // the scores of LANES consecutive positions are LANES independent sums, one vector FMA
 // per d, with no horizontal reduction; values stay [page, D]. The engine's cache write
 // (kernels/attention/torch_impl.py kv_cache_write) stores them so; the trainer passes its
-// dense keys as a [B, Hkv, D, L16] copy (one page per sequence, L padded to LANES) and its
-// values as a view. Keys and values are read in place through the page table. Scores of
+// dense keys and values as a copy in pages of 64 positions. (The bf16 form below stores
+// both in pairs instead.) Keys and values are read in place through the page table. Scores of
 // slots past a row's position may be computed from uninitialised memory (the last
 // LANES-block) but are never used: lanes are independent, nothing mixes them in.
 #include "common.h"
@@ -104,34 +104,30 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict p, co
 //   out = acc / l, rounded to bf16.
 // Every step is fixed by the row's own n, so the invariance argument is the fp32 form's.
 
-// (a[0], b[0], a[1], b[1], ..., a[15], b[15]) from two rows of 16 bf16
-inline __m512i interleave16(const uint16_t* a, const uint16_t* b) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-  return _mm512_permutexvar_epi16(idx, ab);
-}
+// Scores of one row at LANES positions; kp: the block's first d-pair (16 positions x 2
+// bf16, 64 bytes), the next d-pair pstride elements on (the cache's pair layout).
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-// Scores of one row at LANES positions from the pair block kp[D/2][LANES][2].
-inline void block_scores_dpbf16(const uint32_t* __restrict qpairs, const __m512i* __restrict kp, int64_t D,
-                                float scale, float* __restrict out) {
+inline void block_scores_dpbf16(const uint32_t* __restrict qpairs, const uint16_t* __restrict kp, int64_t pstride,
+                                int64_t D, float scale, float* __restrict out) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
   for (int64_t p = 0; p < D / 2; p += 4) {
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p])), (__m512bh)kp[p]);
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 1])), (__m512bh)kp[p + 1]);
-    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 2])), (__m512bh)kp[p + 2]);
-    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 3])), (__m512bh)kp[p + 3]);
+    const uint16_t* k = kp + p * pstride;
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p])), load_bh(k));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 1])), load_bh(k + pstride));
+    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 2])), load_bh(k + 2 * pstride));
+    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 3])), load_bh(k + 3 * pstride));
   }
   const __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_set1_ps(scale));
   _mm512_storeu_ps(out, s);
 }
 
-// acc[D] += sum over positions [0, jn) of a block: pairs from vp[pair][D/16] (interleaved
-// value rows), weights pb (bf16 bits of p); an odd last position by fp32 FMA.
+// acc[D] += sum over positions [0, jn) of a block: position pairs from vp (the block's
+// first pair, [D, 2] bf16, in the cache's pair layout), weights pb (bf16 bits of p); an
+// odd last position (even index: the low halves of its pair) by fp32 FMA.
 template <int DC>
-inline void accumulate_dpbf16(float* __restrict acc, const uint16_t* __restrict pb, const __m512i* __restrict vp,
-                              const uint16_t* __restrict vlast, int64_t jn) {
+inline void accumulate_dpbf16(float* __restrict acc, const uint16_t* __restrict pb, const uint16_t* __restrict vp,
+                              int64_t jn) {
   constexpr int NV = DC / 16;
   __m512 a[NV];
   for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
@@ -139,24 +135,24 @@ inline void accumulate_dpbf16(float* __restrict acc, const uint16_t* __restrict 
   for (int64_t t = 0; t < pairs; ++t) {
     const uint32_t w = static_cast<uint32_t>(pb[2 * t]) | (static_cast<uint32_t>(pb[2 * t + 1]) << 16);
     const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-    for (int c = 0; c < NV; ++c) a[c] = _mm512_dpbf16_ps(a[c], wb, (__m512bh)vp[t * NV + c]);
+    const uint16_t* v = vp + t * DC * 2;
+    for (int c = 0; c < NV; ++c) a[c] = _mm512_dpbf16_ps(a[c], wb, load_bh(v + 32 * c));
   }
   if (jn & 1) {
     const __m512 w = _mm512_set1_ps(bf16_to_f(pb[jn - 1]));
+    const uint16_t* v = vp + pairs * DC * 2;
     for (int c = 0; c < NV; ++c) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vlast + 16 * c));
-      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      a[c] = _mm512_fmadd_ps(w, v, a[c]);
+      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(v + 32 * c), 16));
+      a[c] = _mm512_fmadd_ps(w, x, a[c]);
     }
   }
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
-inline void accumulate_rows_dpbf16(float* acc, const uint16_t* pb, const __m512i* vp, const uint16_t* vlast,
-                                   int64_t jn, int64_t D) {
+inline void accumulate_rows_dpbf16(float* acc, const uint16_t* pb, const uint16_t* vp, int64_t jn, int64_t D) {
   switch (D) {
 #define TITAN_ATTN_D(n) \
-  case n: return accumulate_dpbf16<n>(acc, pb, vp, vlast, jn);
+  case n: return accumulate_dpbf16<n>(acc, pb, vp, jn);
     TITAN_ATTN_D(16) TITAN_ATTN_D(32) TITAN_ATTN_D(48) TITAN_ATTN_D(64) TITAN_ATTN_D(80) TITAN_ATTN_D(96)
     TITAN_ATTN_D(112) TITAN_ATTN_D(128) TITAN_ATTN_D(144) TITAN_ATTN_D(160) TITAN_ATTN_D(176) TITAN_ATTN_D(192)
     TITAN_ATTN_D(208) TITAN_ATTN_D(224) TITAN_ATTN_D(240) TITAN_ATTN_D(256)
@@ -176,27 +172,26 @@ bool dpbf16_form_available() {
 
 
 #ifdef TITAN_RL_ATTN_DPBF16
-// One tile (nt query tokens x G heads of kv head h) in the bf16 form: acc [R, D] and
-// lsum [R] out; the caller divides and rounds.
+// One tile (nt query tokens x G heads of kv head h) in the bf16 form, over a cache in the
+// pair layout (kv_cache_write with pairs): acc [R, D] and lsum [R] out; the caller
+// divides and rounds.
 inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q_h, const c10::BFloat16* kc,
                                   const c10::BFloat16* vc, const int64_t* k_st, const int64_t* v_st,
                                   const int64_t* row_bt, int64_t page, int64_t h, int64_t G, int64_t D, int64_t t0,
                                   int64_t nt, const int64_t* n_row, int64_t n_max, int64_t n_pad, float scale,
-                                  uint32_t* qp, float* sc, std::vector<uint16_t>& pbuf, __m512i* kp, __m512i* vp,
-                                  float* lsum, float* acc) {
-  const int64_t R = nt * G, DP = D / 2, NV = D / 16;
+                                  uint32_t* qp, float* sc, std::vector<uint16_t>& pbuf, float* lsum, float* acc) {
+  const int64_t R = nt * G, DP = D / 2;
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t g = 0; g < G; ++g)
       std::memcpy(qp + (i * G + g) * DP, q + (t0 + i) * q_t + (h * G + g) * q_h, D * sizeof(uint16_t));
-  // Pass 1: scores; the [D, LANES] key block re-laid as d-pairs once for all rows.
+  // Pass 1: scores; a block's d-pair p is 64 contiguous bytes, the next p a page on.
   for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
-    const uint16_t* kt =
-        reinterpret_cast<const uint16_t*>(kc + row_bt[j0 / page] * k_st[0] + h * k_st[1] + (j0 % page));
-    for (int64_t p = 0; p < DP; ++p) kp[p] = interleave16(kt + 2 * p * k_st[2], kt + (2 * p + 1) * k_st[2]);
+    const uint16_t* kp =
+        reinterpret_cast<const uint16_t*>(kc + row_bt[j0 / page] * k_st[0] + h * k_st[1]) + (j0 % page) * 2;
     int64_t r_end = 0;
     for (int64_t i = 0; i < nt; ++i)
       if (n_row[i] > j0) r_end = (i + 1) * G;
-    for (int64_t r = 0; r < r_end; ++r) block_scores_dpbf16(qp + r * DP, kp, D, scale, sc + r * n_pad + j0);
+    for (int64_t r = 0; r < r_end; ++r) block_scores_dpbf16(qp + r * DP, kp, 2 * page, D, scale, sc + r * n_pad + j0);
   }
   // Pass 2: softmax weights (fp32) and their sum; the weights rounded to bf16 for pass 3.
   pbuf.resize(R * n_pad);
@@ -206,21 +201,18 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
     lsum[r] = softmax_weights(sr, n);
     for (int64_t j = 0; j < n; ++j) pbuf[r * n_pad + j] = f_to_bf16(sr[j]);
   }
-  // Pass 3: value rows of a block interleaved by position pairs once for all rows.
+  // Pass 3: a block's position pairs are consecutive [D, 2] runs.
   for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
   for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
-    const uint16_t* vb =
-        reinterpret_cast<const uint16_t*>(vc + row_bt[j0 / page] * v_st[0] + h * v_st[1] + (j0 % page) * v_st[2]);
-    const int64_t j1 = std::min(j0 + LANES, n_max), full_pairs = (j1 - j0) / 2;
-    for (int64_t t = 0; t < full_pairs; ++t)
-      for (int64_t c = 0; c < NV; ++c)
-        vp[t * NV + c] = interleave16(vb + (2 * t) * v_st[2] + 16 * c, vb + (2 * t + 1) * v_st[2] + 16 * c);
+    const uint16_t* vp =
+        reinterpret_cast<const uint16_t*>(vc + row_bt[j0 / page] * v_st[0] + h * v_st[1]) + (j0 % page) * D;
+    const int64_t j1 = std::min(j0 + LANES, n_max);
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t jn = std::min(j1, n_row[i]) - j0;
       if (jn <= 0) continue;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
-        accumulate_rows_dpbf16(acc + r * D, pbuf.data() + r * n_pad + j0, vp, vb + (jn - 1) * v_st[2], jn, D);
+        accumulate_rows_dpbf16(acc + r * D, pbuf.data() + r * n_pad + j0, vp, jn, D);
       }
     }
   }
@@ -257,7 +249,6 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 #ifdef TITAN_RL_ATTN_DPBF16
     std::vector<uint32_t> qp(BF16_BOTH && dots ? qtile * G * D / 2 : 0);
     std::vector<uint16_t> pbuf;
-    std::vector<__m512i> kp(BF16_BOTH && dots ? D / 2 : 0), vp(BF16_BOTH && dots ? LANES / 2 * D / 16 : 0);
 #endif
     int64_t n_row[QTILE_MAX];
     for (int64_t item = begin; item < end; ++item) {
@@ -279,7 +270,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
       if constexpr (BF16_BOTH) {
         if (dots) {
           attention_tile_dpbf16(q, q_t, q_h, kc, vc, k_st, v_st, row_bt, page, h, G, D, t0, nt, n_row, n_max, n_pad,
-                                scale, qp.data(), sc.data(), pbuf, kp.data(), vp.data(), lsum.data(), acc.data());
+                                scale, qp.data(), sc.data(), pbuf, lsum.data(), acc.data());
           for (int64_t i = 0; i < nt; ++i)
             for (int64_t g = 0; g < G; ++g) {
               const int64_t r = i * G + g;
@@ -393,7 +384,12 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   const int64_t kst[3] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};  // page, head, d
   const int64_t vst[3] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   const float sc = static_cast<float>(scale);
-  const bool dots = bf16_dots && dpbf16_form_available() && D <= 256;
+  // bf16_dots: the caller chose the bf16 form, whose cache is in the pair layout
+  const bool dots = bf16_dots;
+  TORCH_CHECK(!dots || (dpbf16_form_available() && D <= 256 && q.scalar_type() == at::kBFloat16 &&
+                        k_cache.scalar_type() == at::kBFloat16 && k_cache.stride(2) == page && v_cache.stride(2) == D),
+              "paged_attention: the bf16 form takes bf16 queries and a bf16 cache in the pair layout, head_dim <= 256, "
+              "on a CPU with AVX512-BF16");
 #define TITAN_ATTN(TQ, TC)                                                                                         \
   attention_rows<TQ, TC>(q.data_ptr<TQ>(), q.stride(0), q.stride(1), k_cache.data_ptr<TC>(),                      \
                          v_cache.data_ptr<TC>(), kst, vst, qsl.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),          \

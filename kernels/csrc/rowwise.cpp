@@ -112,26 +112,34 @@ at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor&
 }
 
 // Store key/value [n, Hkv, D] at cache slots [n] (page * page_size + offset, >= 0) of
-// cache [pages, Hkv, 2, page, D]: keys transposed ([D, page] per page and head), values
-// as rows (the layout paged_attention reads).
+// cache [pages, Hkv, 2, page, D], in the layout paged_attention reads. Per page and head:
+//   plain (the fp32 form): keys transposed [D, page], values as rows [page, D];
+//   pairs (the bf16 form): keys [D/2, page, 2] (d-pairs of a position adjacent), values
+//     [page/2, D, 2] (position pairs of a d adjacent): each 64-byte line then holds what
+//     one vdpbf16ps reads.
 template <typename C, typename S>
 void write_rows(C* cache, const S* key, const S* value, const int64_t* slots, int64_t n, int64_t hkv, int64_t page,
-                int64_t D) {
+                int64_t D, bool pairs) {
   for (int64_t t = 0; t < n; ++t) {
     const int64_t p = slots[t] / page, off = slots[t] % page;
     for (int64_t h = 0; h < hkv; ++h) {
       C* base = cache + ((p * hkv + h) * 2) * page * D;
       const S* k = key + (t * hkv + h) * D;
       const S* v = value + (t * hkv + h) * D;
-      for (int64_t d = 0; d < D; ++d) base[d * page + off] = from_f<C>(to_f(k[d]));
-      C* vrow = base + page * D + off * D;
-      for (int64_t d = 0; d < D; ++d) vrow[d] = from_f<C>(to_f(v[d]));
+      C* vbase = base + page * D;
+      if (pairs) {
+        for (int64_t d = 0; d < D; ++d) base[((d / 2) * page + off) * 2 + (d & 1)] = from_f<C>(to_f(k[d]));
+        for (int64_t d = 0; d < D; ++d) vbase[((off / 2) * D + d) * 2 + (off & 1)] = from_f<C>(to_f(v[d]));
+      } else {
+        for (int64_t d = 0; d < D; ++d) base[d * page + off] = from_f<C>(to_f(k[d]));
+        for (int64_t d = 0; d < D; ++d) vbase[off * D + d] = from_f<C>(to_f(v[d]));
+      }
     }
   }
 }
 
 void kv_cache_write(at::Tensor& cache, const at::Tensor& key_in, const at::Tensor& value_in,
-                    const at::Tensor& slots_in) {
+                    const at::Tensor& slots_in, bool pairs) {
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(), "kv_cache_write: cache [pages, Hkv, 2, page, D], contiguous");
   const at::Tensor key = key_in.contiguous(), value = value_in.contiguous(), slots = slots_in.to(at::kLong).contiguous();
   const int64_t hkv = cache.size(1), page = cache.size(3), D = cache.size(4), n = slots.numel();
@@ -141,11 +149,12 @@ void kv_cache_write(at::Tensor& cache, const at::Tensor& key_in, const at::Tenso
   const bool cb = cache.scalar_type() == at::kBFloat16, sb = key.scalar_type() == at::kBFloat16;
   TORCH_CHECK((cb || cache.scalar_type() == at::kFloat) && (sb || key.scalar_type() == at::kFloat),
               "kv_cache_write: float32 or bfloat16 only");
+  TORCH_CHECK(!pairs || (cb && D % 2 == 0 && page % 2 == 0), "kv_cache_write: the pair layout is for bf16 caches");
   const int64_t* sl = ptr<int64_t>(slots);
-  if (cb && sb) write_rows<B, B>(ptr<B>(cache), ptr<B>(key), ptr<B>(value), sl, n, hkv, page, D);
-  else if (cb) write_rows<B, float>(ptr<B>(cache), ptr<float>(key), ptr<float>(value), sl, n, hkv, page, D);
-  else if (sb) write_rows<float, B>(ptr<float>(cache), ptr<B>(key), ptr<B>(value), sl, n, hkv, page, D);
-  else write_rows<float, float>(ptr<float>(cache), ptr<float>(key), ptr<float>(value), sl, n, hkv, page, D);
+  if (cb && sb) write_rows<B, B>(ptr<B>(cache), ptr<B>(key), ptr<B>(value), sl, n, hkv, page, D, pairs);
+  else if (cb) write_rows<B, float>(ptr<B>(cache), ptr<float>(key), ptr<float>(value), sl, n, hkv, page, D, pairs);
+  else if (sb) write_rows<float, B>(ptr<float>(cache), ptr<B>(key), ptr<B>(value), sl, n, hkv, page, D, false);
+  else write_rows<float, float>(ptr<float>(cache), ptr<float>(key), ptr<float>(value), sl, n, hkv, page, D, false);
 }
 
 }  // namespace
@@ -154,5 +163,6 @@ void kv_cache_write(at::Tensor& cache, const at::Tensor& key_in, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &titan_rl::rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor", &titan_rl::rope);
-  m.def("kv_cache_write(Tensor(a!) cache, Tensor key, Tensor value, Tensor slots) -> ()", &titan_rl::kv_cache_write);
+  m.def("kv_cache_write(Tensor(a!) cache, Tensor key, Tensor value, Tensor slots, bool pairs=False) -> ()",
+        &titan_rl::kv_cache_write);
 }
