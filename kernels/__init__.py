@@ -9,13 +9,14 @@ Both engines import the functions below and nothing else, so the trainer and the
 sampler can never drift onto different code for the same op. Each is a dispatched op
 (kernels/dispatch.py: torch_impl for CPU tensors, triton_impl for CUDA ones; the
 tensor-parallel pieces tree_sum, leaf_partials, linear_k_leaves, linear_n_blocks and
-rms_norm_heads have a CPU implementation only).
+rms_norm_heads, and GLM-5's sparse-attention ops index_topk, sparse_mla_attention,
+layer_norm and moe.router_sigmoid_topk have a CPU implementation only).
 """
 
 from titan_rl.kernels.dispatch import (
-    attention_dense, attention_paged, gdn_recurrent, gemm_weight, kv_cache_write, leaf_partials, linear, linear_k_leaves,
-    linear_n_blocks, lm_head_logits, lm_head_weight, log_softmax_fp32, rms_norm, rms_norm_heads, rope, silu_mul, token_logprobs,
-    tree_sum,
+    attention_dense, attention_paged, gdn_recurrent, gemm_weight, index_topk, kv_cache_write, layer_norm, leaf_partials,
+    linear, linear_k_leaves, linear_n_blocks, lm_head_logits, lm_head_weight, log_softmax_fp32, rms_norm, rms_norm_heads,
+    rope, silu_mul, sparse_mla_attention, token_logprobs, tree_sum,
 )
 
 __all__ = [
@@ -23,7 +24,9 @@ __all__ = [
     "attention_paged",
     "gdn_recurrent",
     "gemm_weight",
+    "index_topk",
     "kv_cache_write",
+    "layer_norm",
     "leaf_partials",
     "linear",
     "linear_k_leaves",
@@ -35,6 +38,7 @@ __all__ = [
     "rms_norm_heads",
     "rope",
     "silu_mul",
+    "sparse_mla_attention",
     "token_logprobs",
     "tree_sum",
 ]

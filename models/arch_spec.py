@@ -8,7 +8,7 @@ vLLM's side registers `vllm_class` under `vllm_architecture` (titan_rl/vllm/plug
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -55,6 +55,16 @@ class ArchitectureSpec:
     # A mixture of experts: a router picks experts per token (routes are recorded and can
     # be replayed; the router's auxiliary loss is trained).
     moe: bool = False
+    # Sparse attention: an indexer picks each token's keys per layer (DeepSeek sparse attention,
+    # GLM-5); the engine records the selected positions, the trainer recomputes or replays them
+    # (rollout.index_selection).
+    sparse_attention: bool = False
+    # config.json attributes the exact engine overrides (vLLM keys behaviour off model_type:
+    # GLM-5's would turn on vLLM's own MLA handling, which our wrapper replaces)
+    vllm_overrides: dict = field(default_factory=dict)
+    # why vLLM's CPU build cannot run the stock (built-in) model at any shape ("" where it can):
+    # the stock column is then transformers' own decode-vs-forward pair
+    stock_cpu_refusal: str = ""
 
     def __post_init__(self) -> None:
         if self.tp_plan is not None and not isinstance(self.tp_plan, TPPlan):

@@ -26,12 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_rl.kernels import (attention_dense, gdn_recurrent, linear, linear_k_leaves, linear_n_blocks, lm_head_logits,
-                              rms_norm, rms_norm_heads, silu_mul)
+from titan_rl.kernels import (attention_dense, gdn_recurrent, index_topk, layer_norm, linear, linear_k_leaves,
+                              linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads, silu_mul, sparse_mla_attention)
 from titan_rl.kernels import rope as rope_exact
 from titan_rl.kernels.gdn import gdn_chunked, l2norm, lane_stable
+from titan_rl.kernels.indexer.torch_impl import key_rows
+from titan_rl.kernels.layernorm.torch_impl import layer_norm_eager
+from titan_rl.kernels.moe.torch_impl import topk_ties_low
 from titan_rl.kernels.quant.recipes import QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
+from titan_rl.kernels.sparse_attention.torch_impl import sparse_attention_eager
 from titan_rl.models.options import ModelOptions
 
 
@@ -52,7 +56,12 @@ class Ops:
     elementwise(fn, x): a transcendental (silu, sigmoid, exp, softplus: GDN's, the output
     and shared-expert gates) of an input whose size depends on the batch, in fp32;
     gdn_l2norm(x) -> fp32 per-head L2 norm;
-    gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state)."""
+    gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state).
+    DeepSeek sparse attention (GLM-5; kernels/indexer, kernels/sparse_attention, docs/glm5.md):
+    index_topk(q, weights, cache, block_table, row_seq, row_pos, key_off, scale, topk) -> each
+    row's selected positions [T, topk] (-1 padded); sparse_attention(q, cache, block_table,
+    row_seq, indices, scale, dv) -> [T, H, dv]; layer_norm(x, weight, bias, eps);
+    expert_topk(scores, k) -> ids [T, k] (exact: ties to the lowest index; stock: torch.topk)."""
 
     def __init__(self, options: ModelOptions):
         self.options = options.validate()
@@ -154,6 +163,31 @@ def _plain_l2norm(x, eps: float = 1e-6):
     return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
+def _torch_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk's indices, unsorted: which of tied entries it returns is its own business."""
+    return torch.topk(scores, k, dim=-1, sorted=False).indices
+
+
+def _index_topk_stock(q, weights, cache, block_table, row_seq, row_pos, key_off: int, scale: float, topk: int):
+    """The indexer in plain torch, as transformers computes it: per sequence one fp32 matmul of
+    the rows' queries with its keys, relu, the head-weighted sum, causal mask, torch.topk
+    (positions in its own order, not ascending; among ties whichever it returns), -1 padded."""
+    T, H, D = q.shape
+    out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
+    for s in row_seq.unique().tolist():
+        rows = (row_seq == s).nonzero().flatten()
+        pos = row_pos[rows].long()
+        n = int(pos.max()) + 1
+        keys = key_rows(cache, block_table, int(s), n)[:, key_off:key_off + D].float()
+        scores = torch.relu(torch.matmul(q[rows].float(), keys.t()) * scale)  # [r, H, n]
+        index = torch.matmul(weights[rows].float().unsqueeze(-2), scores).squeeze(-2)  # [r, n]
+        index = index.masked_fill(torch.arange(n, device=q.device)[None, :] > pos[:, None], float("-inf"))
+        k = min(topk, n)
+        sel = index.topk(k, dim=-1).indices
+        out[rows, :k] = torch.where(sel <= pos[:, None], sel, -1)  # masked picks: rows with fewer than k positions
+    return out
+
+
 # The one list of mode-dependent ops: name -> (exact, stock). Ops binds each as an
 # attribute; the execution contract names what each resolves to (titan_rl/contract.py).
 MODE_OPS: dict[str, tuple[Callable, Callable]] = {
@@ -166,4 +200,8 @@ MODE_OPS: dict[str, tuple[Callable, Callable]] = {
     "elementwise": (lane_stable, _plain),
     "gdn_l2norm": (l2norm, _plain_l2norm),
     "gdn_recurrence": (gdn_recurrent, gdn_chunked),
+    "index_topk": (index_topk, _index_topk_stock),
+    "sparse_attention": (sparse_mla_attention, sparse_attention_eager),
+    "layer_norm": (layer_norm, layer_norm_eager),
+    "expert_topk": (topk_ties_low, _torch_topk),
 }

@@ -167,7 +167,10 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
     dtype = dtype or _param_dtype(model)
     device = _param_device(model)
     named = {name: _qualname(dispatch.resolve(getattr(ops, name), device)) for name in OPS}
-    named["attention"] = dispatch.resolve(attention or ops.causal_attention, device).__module__
+    # the row-mixing kernel: the model's own (`attention_op`, default its dense causal
+    # attention; GLM-5's sparse attention) or the one the engine's attention backend calls
+    own = getattr(ops, getattr(model, "attention_op", "causal_attention"))
+    named["attention"] = dispatch.resolve(attention or own, device).__module__
     named["fuse_same_input"] = bool(ops.fuse_same_input)
     return Contract(
         arch=architecture_of(model).name, model_config=_config_hash(cfg), kernels=ops.kernels,

@@ -21,7 +21,15 @@ ODD = dict(vocab_size=997, hidden_size=200, intermediate_size=328, num_hidden_la
 MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=72, shared_expert_intermediate_size=88)
 STOCK = dict(linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64)
 STOCK_MOE = dict(hidden_size=224)
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# GLM-5 (glm_moe_dsa): odd widths too (hidden 200, vocab 997, q latent 72, kv latent 40, v head 20,
+# 3 indexer heads of 24, 5 experts of 72 top-2), a first dense layer, and index_topk = 16, below
+# the prompts' lengths, so the indexer really selects
+GLM = dict(vocab_size=997, hidden_size=200, intermediate_size=328, moe_intermediate_size=72, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=4, q_lora_rank=72, kv_lora_rank=40, qk_nope_head_dim=24,
+           qk_rope_head_dim=16, v_head_dim=20, n_routed_experts=5, num_experts_per_tok=2, n_shared_experts=1,
+           first_k_dense_replace=1, index_topk=16, index_head_dim=24, index_n_heads=3, max_position_embeddings=4096,
+           routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm_moe_dsa")
 
 
 def classes(arch: str):
@@ -38,6 +46,10 @@ def classes(arch: str):
         from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
         return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, MOE
+    if arch == "glm_moe_dsa":
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+        return GlmMoeDsaConfig, GlmMoeDsaForCausalLM, {}
     raise ValueError(f"arch = {arch!r}: allowed: {list(ARCHS)}")
 
 
@@ -47,7 +59,10 @@ def hf_model(arch: str, seed: int, *, tied: bool = False, stock_shapes: bool = F
     by N(0, scale) noise (transformers inits routers and norm weights to zero: unmoved,
     every token would route alike and a (1 + w) norm would read the same as w)."""
     config_cls, model_cls, extra = classes(arch)
-    sizes = {**ODD, **extra}
+    sizes = dict(GLM) if arch == "glm_moe_dsa" else {**ODD, **extra}
+    if stock_shapes and arch == "glm_moe_dsa":
+        raise ValueError("--stock-shapes: vLLM's CPU build has no sparse-attention backend for glm_moe_dsa at any "
+                         "shape (its stock column is transformers' own pair)")
     if stock_shapes:
         sizes.update(STOCK, **(STOCK_MOE if extra else {}))
     sizes.update(fields)
@@ -57,6 +72,9 @@ def hf_model(arch: str, seed: int, *, tied: bool = False, stock_shapes: bool = F
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():  # GLM-5's e_score_correction_bias (a buffer there, saved)
+            if name.endswith("e_score_correction_bias"):
+                b.add_(scale * torch.randn(b.shape, generator=g))
     return model
 
 

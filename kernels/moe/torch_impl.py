@@ -183,3 +183,73 @@ def load_balancing_loss(probs: Sequence[torch.Tensor], ids: Sequence[torch.Tenso
         rows += p.shape[0]
     rows = max(rows, 1)
     return (counts / rows * (psum / rows)).sum() * n_experts
+
+
+# -- the sigmoid router (DeepSeek-V3 / GLM-5) ---------------------------------------------
+
+def topk_ties_low(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """ids [T, k] of the k largest scores per row (any finite values, -inf for excluded
+    entries), ties to the LOWEST index: k rounds of (row max, then the smallest index holding
+    it), picks excluded. Comparisons only, so exact and row-independent."""
+    T, E = scores.shape
+    s = scores.detach()
+    if T and bool(torch.isnan(s).any()):
+        raise ValueError("router scores contain NaN; cannot choose experts")
+    idx = torch.arange(E, device=s.device).expand(T, E)
+    taken = torch.zeros(T, E, dtype=torch.bool, device=s.device)
+    ids = torch.empty(T, k, dtype=torch.long, device=s.device)
+    for j in range(k):
+        masked = s.masked_fill(taken, float("-inf"))
+        m = masked.amax(-1, keepdim=True)
+        pick = torch.where((masked == m) & ~taken, idx, E).amin(-1)
+        ids[:, j] = pick
+        taken.scatter_(1, pick[:, None], True)
+    return ids
+
+
+def group_limited_choice(choice: torch.Tensor, n_group: int, topk_group: int,
+                         topk_fn: Callable[[torch.Tensor, int], torch.Tensor] = topk_ties_low) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: a group's score is the sum of its two largest
+    choice scores; the experts outside the topk_group best groups get -inf. n_group = 1 (GLM-5)
+    returns `choice` as is."""
+    if n_group == 1:
+        return choice
+    T, E = choice.shape
+    top2 = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values  # the two largest: their sum is tie-free
+    groups = topk_fn(top2[..., 0] + top2[..., 1], topk_group)
+    keep = torch.zeros(T, n_group, dtype=torch.bool, device=choice.device).scatter_(1, groups, True)
+    return choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+
+
+def router_sigmoid_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
+                        topk_group: int, norm_topk_prob: bool, scaling: float, sigmoid: Callable,
+                        route_override: torch.Tensor | None = None, linear_fn: LinearFn = linear,
+                        topk_fn: Callable[[torch.Tensor, int], torch.Tensor] = topk_ties_low):
+    """GLM-5's / DeepSeek-V3's router: fp32 logits of hidden [T, H] by gate_weight [E, H],
+    scores = sigmoid(logits) (`sigmoid`: the caller's row-stable form), experts chosen by
+    scores + bias (e_score_correction_bias; group-limited when n_group > 1; ties to the lowest
+    index), combine weights = the chosen scores (without the bias), renormalised over the k
+    slots in slot order when norm_topk_prob (+ 1e-20, as transformers), times `scaling`
+    (routed_scaling_factor). Returns (weights fp32 [T, k], ids [T, k], the router's own ids).
+
+    route_override [T, k]: use exactly these experts (router replay; a row whose first id is
+    negative keeps the router's own choice); the weights stay the current scores of them."""
+    E = gate_weight.shape[0]
+    check_k(k, E)
+    scores = sigmoid(linear_fn(hidden.float(), gate_weight.float()))
+    choice = group_limited_choice(scores + bias.float(), n_group, topk_group, topk_fn)
+    own = topk_fn(choice, k)
+    ids = own
+    if route_override is not None:
+        T = scores.shape[0]
+        if tuple(route_override.shape) != (T, k):
+            raise ValueError(f"route_override has shape {tuple(route_override.shape)}, expected {(T, k)}")
+        forced = route_override.to(device=scores.device, dtype=torch.long)
+        used = forced[forced[:, 0] >= 0]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= E):
+            raise ValueError(f"route_override holds expert ids outside 0..{E - 1}")
+        ids = torch.where(forced[:, :1] >= 0, forced, own)
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (_slot_sum(weights) + 1e-20)[:, None]
+    return weights * scaling, ids, own

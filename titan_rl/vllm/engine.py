@@ -45,7 +45,7 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     if kernels == "stock" and quantization != "none" and quantization not in STOCK_QUANTIZATION:
         raise ValueError(f"quantization = {quantization!r} with kernels = 'stock': vLLM has no online form of it; "
                          f"allowed: {['none', *STOCK_QUANTIZATION]}")
-    if kernels == "stock" and (spec.recurrent_state or spec.moe):
+    if kernels == "stock" and (spec.recurrent_state or spec.moe or spec.stock_cpu_refusal):
         from titan_rl.checkpoint import check_hf_folder
 
         problem = stock_cpu_problem(spec, check_hf_folder(folder, arch=arch), dtype)
@@ -62,7 +62,8 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
         use_tqdm_on_load=False,
-        hf_overrides={"architectures": [spec.vllm_architecture if kernels == "exact" else spec.hf_architecture]},
+        hf_overrides={"architectures": [spec.vllm_architecture if kernels == "exact" else spec.hf_architecture],
+                      **(spec.vllm_overrides if kernels == "exact" else {})},
     )
     if max_num_batched_tokens is not None:
         kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
@@ -122,12 +123,14 @@ def stock_cpu_problem(spec, cfg, dtype: str) -> str:
     the CPU GDN op (vllm/model_executor/layers/mamba/ops/cpu) takes bfloat16 only, a
     conv of width 4, and equal key/value head dims of 64 or 128; the CPU MoE experts
     need a hidden size divisible by 32 (layers/fused_moe/experts/cpu_moe.py). Probed against the ops themselves by tests/test_hybrids_vllm.py."""
-    if not (spec.recurrent_state or spec.moe):
+    if not (spec.recurrent_state or spec.moe or spec.stock_cpu_refusal):
         return ""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return ""
+    if spec.stock_cpu_refusal:
+        return spec.stock_cpu_refusal
     problems = []
     if spec.recurrent_state:
         if dtype != "bfloat16":

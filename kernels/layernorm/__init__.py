@@ -1,0 +1,1 @@
+"""LayerNorm (the indexer key's k_norm), batch-invariant."""
