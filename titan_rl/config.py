@@ -49,6 +49,8 @@ class ModelConfig:
     tp_leaves: int = 0  # >0: fixed leaf tree for TP-invariant linears (8 covers TP 1/2/4/8)
     # "stock": plain torch trainer + vLLM's built-in engine (to measure what exactness removes)
     kernels: KernelMode = "exact"
+    # sparse-attention models (GLM-5): no gradient to the indexers' parameters (GLM-5's RL setting)
+    freeze_indexer: bool = False
 
 
 @dataclass
@@ -70,6 +72,11 @@ class RolloutConfig:
     # MoE models: "off" = the trainer's router chooses (expert_disagreement is measured),
     # "replay" = the trainer uses exactly the experts the sampler recorded.
     router_replay: Literal["off", "replay"] = "off"
+    # sparse-attention models (GLM-5): "pinned" = the trainer's indexer recomputes each token's
+    # key set (bitwise-equal scores and a fixed top-k: the same set; nothing shipped),
+    # "replay" = the trainer attends to exactly the sets the sampler recorded (index_disagreement
+    # is measured either way)
+    index_selection: Literal["pinned", "replay"] = "pinned"
     # where the engines run (titan_rl/rl/separate_engines.py): "colocated" = one in-process
     # engine per trainer rank, generation and training alternate; "separate" = `engines`
     # engine processes of `engine_tp` workers each, started and driven by trainer rank 0
@@ -306,6 +313,11 @@ def validate(cfg: Config) -> None:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
+    for key, value, default in (("rollout.index_selection", cfg.rollout.index_selection, "pinned"),
+                                ("model.freeze_indexer", cfg.model.freeze_indexer, False)):
+        if value != default and not spec.sparse_attention:
+            raise ConfigError(f"{key} = {value!r} needs a sparse-attention model (an indexer); model.name = "
+                              f"{cfg.model.name!r} has none")
     batch_plan.check_config(cfg)
     ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
     if ac_reason:

@@ -53,3 +53,23 @@ def expert_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     hit = (a.long()[..., :, None] == b.long()[..., None, :]).any(-1)
     return 1.0 - _mean(hit)
+
+
+def canonical_sets(ind: torch.Tensor) -> torch.Tensor:
+    """Selected positions [..., topk] (-1 = none, in any order) -> each set ascending with the
+    -1 entries last: equal sets, equal rows."""
+    big = torch.iinfo(torch.int64).max
+    v = ind.long()
+    s = torch.where(v >= 0, v, big).sort(-1).values
+    return torch.where(s == big, -1, s)
+
+
+def index_disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Selected key positions [N, layers, topk] from two sides -> the fraction of (position,
+    layer) sets that differ (as sets: order and padding aside)."""
+    if a.shape != b.shape:
+        raise ValueError(f"index record shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    same = (canonical_sets(a) == canonical_sets(b)).all(-1)
+    return 1.0 - _mean(same)

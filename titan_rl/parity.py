@@ -40,7 +40,7 @@ from titan_rl.kernels.mode import KERNEL_MODES, KernelMode
 from titan_rl.dtypes import DTYPES
 from titan_rl.kernels.quant.recipes import STOCK_QUANTIZATION
 from titan_rl.models.options import ModelOptions, Quantization
-from titan_rl.metrics import expert_disagreement, full_vocab_mismatch, logprob_mismatch
+from titan_rl.metrics import expert_disagreement, full_vocab_mismatch, index_disagreement, logprob_mismatch
 from titan_rl.registry import get_architecture
 from titan_rl.rollout import Rollout
 
@@ -80,12 +80,14 @@ def make_prompts(cfg: config_mod.Config, vocab: int, n: int, seed: int) -> list[
     return [torch.randint(2, vocab, (int(L),), generator=g).tolist() for L in lens]
 
 
-def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool = False) -> Rollout:
+def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool = False, indices: bool = False
+           ) -> Rollout:
     """Draws come from the engine's seeded RNG (LLM(seed=...)): per-request seeds cannot
     be combined with chunked prefill on vLLM 0.32's CPU runner (it rewinds generators
     with set_offset, which CPU generators lack). The first `full_vocab` prompts record
     every token's log-prob. routes=True (MoE): also record the experts the engine chose
-    for every computed position (titan_rl.vllm.routes)."""
+    for every computed position (titan_rl.vllm.routes); indices=True (sparse attention): the
+    key positions each indexer layer selected (titan_rl.vllm.indices)."""
     import contextlib
 
     from vllm import SamplingParams
@@ -99,9 +101,15 @@ def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool =
                        logprobs=-1 if i < full_vocab else 0)
         for i in range(len(prompts))
     ]
-    with capture_routes(llm) if routes else contextlib.nullcontext() as rec:
+    with contextlib.ExitStack() as stack:
+        rec = stack.enter_context(capture_routes(llm)) if routes else None
+        idx = None
+        if indices:
+            from titan_rl.vllm.indices import capture_indices
+
+            idx = stack.enter_context(capture_indices(llm))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return Rollout.from_vllm(outs, routes=rec)
+    return Rollout.from_vllm(outs, routes=rec, indices=idx)
 
 
 @dataclass
@@ -112,30 +120,47 @@ class Scores:
     entropy: list[torch.Tensor]  # float32 [R_i]: the trainer's entropy at each of those positions
     full: list[torch.Tensor | None]  # float32 [R_i, V]: full log-prob rows where the rollout has the sampler's
     routes: list[torch.Tensor] | None  # MoE: the trainer router's experts [P_i + R_i - 1, layers, k]
+    indices: list[torch.Tensor] | None = None  # sparse attention: the trainer indexers' own sets [P_i + R_i - 1, layers, topk]
 
 
 @torch.no_grad()
-def rescore(model, rollout: Rollout, batch_sizes: list[int]) -> Scores:
+def rescore(model, rollout: Rollout, batch_sizes: list[int], replay_indices: bool = False) -> Scores:
     """Trainer-side log-probs of every sampled token (and full rows where recorded),
-    with the sequences grouped into batches of varying size, right-padded."""
-    scores = Scores(pi=[], entropy=[], full=[], routes=[])
+    with the sequences grouped into batches of varying size, right-padded. replay_indices
+    (sparse attention, rollout.index_selection = "replay"): the trainer attends to exactly the
+    key sets the engine recorded; otherwise its indexers choose (pinned)."""
+    scores = Scores(pi=[], entropy=[], full=[], routes=[], indices=[])
+    recorded = rollout.padded_indices() if replay_indices and rollout.indices is not None else None
     i, k = 0, 0
     while i < len(rollout):
         rows = range(i, min(i + batch_sizes[k % len(batch_sizes)], len(rollout)))
         i, k = rows.stop, k + 1
         batch = rollout.batch(0, rows)
+        if recorded is not None:
+            forced = recorded[rows.start:rows.stop, : batch.shape[1]]
+            flat = forced.reshape(-1, *forced.shape[2:])
+            model.set_index_override([flat[:, layer] for layer in range(flat.shape[1])])
         logp = log_softmax_fp32(model(batch))
+        if recorded is not None:
+            model.set_index_override(None)
         own = getattr(model, "last_own_routes", None)  # MoE: the trainer router's choice
         own = torch.stack(own, 1).view(*batch.shape, len(own), -1) if own else None
+        own_sets = getattr(model, "last_own_indices", None)  # sparse attention: the trainer indexers' choice
+        own_sets = torch.stack(own_sets, 1).view(*batch.shape, len(own_sets), -1) if own_sets else None
         for r, j in enumerate(rows):
             lp = logp[r, rollout.response_span(j)]
             scores.pi.append(lp.gather(-1, torch.tensor(rollout.tokens[j])[:, None])[:, 0])
             scores.entropy.append(-(lp.exp() * lp).nansum(-1))
             scores.full.append(lp.clone() if rollout.full[j] is not None else None)
+            n = len(rollout.prompts[j]) + len(rollout.tokens[j]) - 1
             if own is not None:
-                scores.routes.append(own[r, : len(rollout.prompts[j]) + len(rollout.tokens[j]) - 1])
+                scores.routes.append(own[r, :n])
+            if own_sets is not None:
+                scores.indices.append(own_sets[r, :n])
     if not scores.routes:
         scores.routes = None
+    if not scores.indices:
+        scores.indices = None
     return scores
 
 
@@ -152,9 +177,10 @@ def detail(rollout: Rollout, scores: Scores) -> dict:
     }
 
 
-def compare(rollout: Rollout, scores: Scores) -> dict:
+def compare(rollout: Rollout, scores: Scores, index_selection: str = "pinned") -> dict:
     """The parity JSON's statistics (titan_rl.metrics): sampled-token log-probs, full rows
-    where recorded, and for MoE the experts."""
+    where recorded, for MoE the experts, for sparse attention the selected key sets (and the
+    bytes per token the mode ships: the record under replay, 0 pinned)."""
     out = logprob_mismatch(torch.cat(scores.pi), torch.cat(rollout.mu))
     fulls = [(a, b) for a, b in zip(scores.full, rollout.full) if a is not None]
     if fulls:
@@ -164,6 +190,13 @@ def compare(rollout: Rollout, scores: Scores) -> dict:
         out["routed_positions"] = int(eng.shape[0])
         out["expert_disagreement"] = expert_disagreement(eng, torch.cat(scores.routes))
         out["route_bytes_per_token"] = rollout.route_bytes_per_token
+    if rollout.indices is not None and scores.indices is not None:
+        eng = torch.cat(rollout.indices)
+        out["index_selection"] = index_selection
+        out["indexed_positions"] = int(eng.shape[0])
+        out["index_disagreement"] = index_disagreement(eng, torch.cat(scores.indices))
+        out["index_bytes_per_token"] = rollout.index_bytes_per_token if index_selection == "replay" else 0
+        out["index_record_bytes_per_token"] = rollout.index_bytes_per_token
     return out
 
 
@@ -189,10 +222,11 @@ def run_transformers_pair(cfg, folder, prompts, seed: int, reason: str, progress
     progress(f"[stock] vLLM's built-in CPU ops cannot run this folder ({reason}): the stock pair is "
              f"transformers' cached decode (sampler) vs its full forward (trainer); sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
-    rollout, sides = sample_and_rescore(folder, cfg, prompts, seed, cfg.parity.full_vocab_prompts)
-    scores = Scores(routes=None, **sides)
+    rollout, sides = sample_and_rescore(folder, cfg, prompts, seed, cfg.parity.full_vocab_prompts,
+                                        replay_indices=cfg.rollout.index_selection == "replay")
+    scores = Scores(**{"routes": None, **sides})
     result = {"engine": "stock", "stock_source": f"transformers decode vs forward: {reason}",
-              **compare(rollout, scores)}
+              **compare(rollout, scores, cfg.rollout.index_selection)}
     if with_detail:
         result.update(detail(rollout, scores))
     result["rollout_seconds"] = round(time.perf_counter() - t0, 3)
@@ -212,7 +246,9 @@ def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=pr
                    enable_prefix_caching=r.enable_prefix_caching, quantization=cfg.quantization.recipe)
     progress(f"[{kernels}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
-    rollout = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=get_architecture(cfg.model.name).moe)
+    spec = get_architecture(cfg.model.name)
+    rollout = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=spec.moe,
+                     indices=spec.sparse_attention and kernels == "exact")
     t_roll = time.perf_counter() - t0
     progress(f"[{kernels}] sampled {rollout.num_tokens} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]
@@ -221,8 +257,10 @@ def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=pr
 
         check_platform(dtype, head_dim=getattr(spec_config(cfg, folder), "head_dim", 128))
     trainer = load_hf_folder(folder, kernels=kernels, dtype=dtype, arch=cfg.model.name).eval()
-    scores = rescore(trainer, rollout, cfg.parity.trainer_batch_sizes)
-    result = {"engine": kernels, **compare(rollout, scores), "contract": contracts(trainer, llm)}
+    replay = cfg.rollout.index_selection == "replay"
+    scores = rescore(trainer, rollout, cfg.parity.trainer_batch_sizes, replay_indices=replay)
+    result = {"engine": kernels, **compare(rollout, scores, cfg.rollout.index_selection),
+              "contract": contracts(trainer, llm)}
     differs = result["contract"]["differs"]
     progress(f"[{kernels}] execution contract: " + (f"differs in {', '.join(differs)}" if differs else "equal"))
     if with_detail:
@@ -240,8 +278,8 @@ def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=pr
 def print_table(results: list[dict], file=None) -> None:
     file = sys.stdout if file is None else file  # looked up at call time (capture, redirection)
     keys = ["tokens", "bitwise_fraction", "max_abs_dlogp", "mean_abs_dlogp", "k3_mean", "k3_max",
-            "full_vocab_max_abs_dlogp", "expert_disagreement", "route_bytes_per_token",
-            "unified_vs_builtin_max_abs_dlogp"]
+            "full_vocab_max_abs_dlogp", "expert_disagreement", "route_bytes_per_token", "index_disagreement",
+            "index_bytes_per_token", "unified_vs_builtin_max_abs_dlogp"]
     print(f"{'metric':34s}" + "".join(f"{r['engine']:>14s}" for r in results), file=file)
     for k in keys:
         if not any(k in r for r in results):

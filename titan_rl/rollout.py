@@ -49,12 +49,17 @@ class Rollout:
     kept_bytes: int | None = None  # the kept sets' encoded size in bytes
     routes: list[torch.Tensor] | None = None  # MoE: expert ids [P_i + R_i - 1, layers, k], uint8 (int16 > 256 experts)
     route_bytes_per_token: int | None = None  # one position's route record in bytes
+    # sparse attention: the key positions each indexer layer selected [P_i + R_i - 1, layers, topk],
+    # ascending, -1 padded (int16 while positions fit, else int32)
+    indices: list[torch.Tensor] | None = None
+    index_bytes_per_token: int | None = None  # one position's index record in bytes
 
     @classmethod
-    def from_vllm(cls, outputs, kept_sets=None, routes=None) -> Rollout:
+    def from_vllm(cls, outputs, kept_sets=None, routes=None, indices=None) -> Rollout:
         """vLLM RequestOutputs (first completion each) -> Rollout. `kept_sets`: the
         KeptSets of capture_kept_sets (checked against the sampled tokens); `routes`: the
-        RouteRecord of capture_routes, prefix-cache positions filled (RouteRecord.assemble)."""
+        RouteRecord of capture_routes, prefix-cache positions filled (RouteRecord.assemble);
+        `indices`: the record of capture_indices (titan_rl.vllm.indices), filled the same way."""
         ids, prompts, tokens, mu, full = [], [], [], [], []
         for out in outputs:
             c = out.outputs[0]
@@ -74,6 +79,10 @@ class Rollout:
             by_id = routes.assemble(outputs)
             r.routes = [by_id[rid] for rid in ids]
             r.route_bytes_per_token = routes.bytes_per_token
+        if indices is not None:
+            by_id = indices.assemble(outputs)
+            r.indices = [by_id[rid] for rid in ids]
+            r.index_bytes_per_token = indices.bytes_per_token
         return r
 
     def __len__(self) -> int:
@@ -139,6 +148,19 @@ class Rollout:
         return out
 
 
+    def padded_indices(self) -> torch.Tensor:
+        """[B, L, layers, topk] (the record's integer dtype): the engine's selected positions
+        per position, -1 where it computed none (padding, each row's last token). Needs `indices`."""
+        if self.indices is None:
+            raise ValueError("this rollout has no index record (capture_indices was not active)")
+        L = max(map(len, self.sequences()))
+        first = self.indices[0]
+        out = torch.full((len(self), L, *first.shape[1:]), -1, dtype=first.dtype)
+        for i, r in enumerate(self.indices):
+            out[i, : r.shape[0]] = r
+        return out
+
+
 def _widen(t: torch.Tensor, width: int, fill) -> torch.Tensor:
     """t [B, w, ...] right-padded with `fill` to [B, width, ...]."""
     out = torch.full((t.shape[0], width, *t.shape[2:]), fill, dtype=t.dtype)
@@ -164,6 +186,7 @@ class ScoredBatch:
     ref: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
 
     @classmethod
     def of(cls, rollout: Rollout, tokens: torch.Tensor) -> ScoredBatch:
@@ -172,7 +195,8 @@ class ScoredBatch:
         mask, mu = _widen(rollout.mask(), L - 1, False), _widen(rollout.padded_mu(), L - 1, 0.0)
         routes = None if rollout.routes is None else _widen(rollout.padded_routes(), L, -1)
         kept_at = [0, *mask.sum(1).cumsum(0).tolist()]
-        return cls(tokens, mask, mu, routes, rollout.kept, kept_at, ref=mu, loss_mask=mask)
+        indices = None if rollout.indices is None else _widen(rollout.padded_indices(), L, -1)
+        return cls(tokens, mask, mu, routes, rollout.kept, kept_at, ref=mu, loss_mask=mask, indices=indices)
 
     def kept_rows(self, rows: range) -> torch.Tensor | None:
         return None if self.kept is None else self.kept[self.kept_at[rows.start]:self.kept_at[rows.stop]]
@@ -180,5 +204,12 @@ class ScoredBatch:
     def flat_routes(self, rows: range) -> list[torch.Tensor]:
         """The engine's routes of `rows`, per layer [len(rows) * L, k] (router replay)."""
         r = self.routes[rows.start:rows.stop]
+        flat = r.reshape(len(rows) * r.shape[1], *r.shape[2:])
+        return [flat[:, layer] for layer in range(flat.shape[1])]
+
+    def flat_indices(self, rows: range) -> list[torch.Tensor]:
+        """The engine's selected key positions of `rows`, per indexer layer [len(rows) * L,
+        topk] (index replay)."""
+        r = self.indices[rows.start:rows.stop]
         flat = r.reshape(len(rows) * r.shape[1], *r.shape[2:])
         return [flat[:, layer] for layer in range(flat.shape[1])]

@@ -2,7 +2,7 @@
 sigmoid-routed MoE), parallelize.py (no TP plan yet, and why), spec.py."""
 
 from titan_rl.models.glm_moe_dsa.config import FLAVORS, GlmDsaConfig
-from titan_rl.models.glm_moe_dsa.model import DenseLatents, GlmMoeDsaForCausalLM, freeze_indexer
+from titan_rl.models.glm_moe_dsa.model import DenseLatents, GlmMoeDsaForCausalLM
 from titan_rl.models.glm_moe_dsa.spec import SPEC, build
 
-__all__ = ["FLAVORS", "SPEC", "DenseLatents", "GlmDsaConfig", "GlmMoeDsaForCausalLM", "build", "freeze_indexer"]
+__all__ = ["FLAVORS", "SPEC", "DenseLatents", "GlmDsaConfig", "GlmMoeDsaForCausalLM", "build"]

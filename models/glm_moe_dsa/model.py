@@ -109,7 +109,8 @@ class Indexer(nn.Module):
     """The lightning indexer (transformers' GlmMoeDsaIndexer): per token Hi query heads from
     the q latent, one key, and per-head weights; score_j = sum_h w_h relu(q_h . k_j / sqrt(Di)).
     Its first qk_rope_head_dim channels carry interleaved RoPE. No gradient reaches it: the
-    selection is discrete (and `model.freeze_indexer` takes it out of the optimizer)."""
+    selection is discrete (and `model.freeze_indexer` takes its parameters out of the optimizer:
+    titan_rl/titan/build.py)."""
 
     def __init__(self, cfg: GlmDsaConfig, ops: Ops):
         super().__init__()
@@ -212,6 +213,7 @@ class MLAttention(nn.Module):
     def prepare_for_engine(self) -> list[nn.Module]:
         from titan_rl.kernels import gemm_weight
 
+        self.absorbed = None  # from the weights just loaded
         w_uk_t, w_uv = self.per_head()
         self.absorbed = ([gemm_weight(w.detach()) for w in w_uk_t], [gemm_weight(w.detach()) for w in w_uv])
         return []  # the module's own Linears are prepared as usual
@@ -367,14 +369,4 @@ class GlmMoeDsaForCausalLM(Qwen3ForCausalLM):
         return self.logits(h).view(B, L, -1)
 
 
-def freeze_indexer(model: nn.Module) -> list[str]:
-    """GLM-5's RL setting: no gradient to the indexers' parameters (they leave the optimizer).
-    Returns the names frozen."""
-    names = [n for n, p in model.named_parameters() if ".self_attn.indexer." in n]
-    for n, p in model.named_parameters():
-        if n in names:
-            p.requires_grad_(False)
-    return names
-
-
-__all__ = ["DenseLatents", "GlmMoeDsaForCausalLM", "KeyView", "LatentCache", "freeze_indexer"]
+__all__ = ["DenseLatents", "GlmMoeDsaForCausalLM", "KeyView", "LatentCache"]

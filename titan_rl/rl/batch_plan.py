@@ -25,7 +25,7 @@ from titan_rl.algorithms import apply_corrections
 from titan_rl.errors import ConfigError
 from titan_rl.kernels import tree_sum
 from titan_rl.kernels.reduction import fixed_sum
-from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, logprob_mismatch
+from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, index_disagreement, logprob_mismatch
 from titan_rl.rl.ranks import Ranks
 
 # Each leaf is one forward + backward: 2 covers data-parallel degrees 1 and 2 at little
@@ -155,6 +155,10 @@ class BatchPlan:
     def expert_disagreement(self, engine_routes: torch.Tensor, own: torch.Tensor) -> float:
         raise NotImplementedError
 
+    def index_disagreement(self, engine_sets: torch.Tensor, own: torch.Tensor) -> float:
+        """titan_rl.metrics.index_disagreement over the step's (position, indexer layer) sets."""
+        raise NotImplementedError
+
     def correct(self, pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, corrections
                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """titan_rl.algorithms.apply_corrections for this rank's rows: (weights, mask, stats)."""
@@ -185,6 +189,9 @@ class Collective(BatchPlan):
 
     def expert_disagreement(self, engine_routes, own):
         return self.ranks.reduce(expert_disagreement(engine_routes, own), "mean")
+
+    def index_disagreement(self, engine_sets, own):
+        return self.ranks.reduce(index_disagreement(engine_sets, own), "mean")
 
     def correct(self, pi_old, mu, mask, corrections):
         weights, new_mask, stats = apply_corrections(pi_old, mu, mask, corrections)
@@ -233,6 +240,9 @@ class LeafTree(BatchPlan):
 
     def expert_disagreement(self, engine_routes, own):
         return expert_disagreement(self.ranks.gather_dp(engine_routes), self.ranks.gather_dp(own))
+
+    def index_disagreement(self, engine_sets, own):
+        return index_disagreement(self.ranks.gather_dp(engine_sets), self.ranks.gather_dp(own))
 
     def correct(self, pi_old, mu, mask, corrections):
         """On the global batch (the same masks and fractions on every layout); this rank keeps its rows."""

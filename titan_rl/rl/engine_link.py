@@ -53,10 +53,11 @@ class EngineLink:
         self._contract = None
         self._logged_contract = None
 
-    def sample(self, requests: list[dict], params: list, *, kept_sets: bool, routes: bool
+    def sample(self, requests: list[dict], params: list, *, kept_sets: bool, routes: bool, indices: bool = False
                ) -> tuple[Rollout, float]:
         """(the Rollout record of `requests`, seconds spent generating); `kept_sets` /
-        `routes`: also record the sampler's top-k/top-p kept sets / the MoE routes."""
+        `routes` / `indices`: also record the sampler's top-k/top-p kept sets / the MoE routes /
+        the sparse-attention key positions each indexer selected."""
         raise NotImplementedError
 
     def sync(self, step: int) -> bool | None:
@@ -129,11 +130,11 @@ class ColocatedEngine(EngineLink):
                             quantization=self.cfg.quantization.recipe)
         self._check_contract("before the first rollout")
 
-    def sample(self, requests, params, *, kept_sets, routes):
+    def sample(self, requests, params, *, kept_sets, routes, indices=False):
         if self.llm is None:
             self._start()
         t0 = time.perf_counter()
-        ks = rec = None
+        ks = rec = idx = None
         with contextlib.ExitStack() as stack:
             if kept_sets:
                 from titan_rl.vllm.sampling import capture_kept_sets
@@ -143,10 +144,14 @@ class ColocatedEngine(EngineLink):
                 from titan_rl.vllm.routes import capture_routes
 
                 rec = stack.enter_context(capture_routes(self.llm))
+            if indices:
+                from titan_rl.vllm.indices import capture_indices
+
+                idx = stack.enter_context(capture_indices(self.llm))
             outs = self.llm.generate(requests, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         # read after the captures closed: closing is where they report unattributed steps
-        return Rollout.from_vllm(outs, kept_sets=ks, routes=rec), dt
+        return Rollout.from_vllm(outs, kept_sets=ks, routes=rec, indices=idx), dt
 
     def sync(self, step):
         from titan_rl.quant_weights import fake_quantized_state, quantized_state, weight_recipes

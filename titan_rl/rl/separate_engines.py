@@ -163,8 +163,9 @@ class SeparateEngines(EngineLink):
         self.started.append(p)
         return p
 
-    def finish(self, p: Pending, *, kept_sets: bool, routes: bool) -> tuple[Rollout, float, int]:
-        """(this rank's Rollout, seconds rank 0 spent generating, the weights' version)."""
+    def finish(self, p: Pending, *, kept_sets: bool, routes: bool, indices: bool = False) -> tuple[Rollout, float, int]:
+        """(this rank's Rollout, seconds rank 0 spent generating, the weights' version). The
+        captures are in-process only: config validation refuses what would need them here."""
         payload, error = None, None
         if self.ranks.rank == 0:
             try:
@@ -195,7 +196,7 @@ class SeparateEngines(EngineLink):
             self._dp_of_rank = every
         return self._dp_of_rank
 
-    def sample(self, requests, params, *, kept_sets, routes):
+    def sample(self, requests, params, *, kept_sets, routes, indices=False):
         raise NotImplementedError("SeparateEngines: use start(step, ...) and finish(...)")
 
     def _generate(self, step: int, shares: list[tuple]) -> tuple[list[list], float]:

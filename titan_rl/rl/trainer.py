@@ -72,6 +72,7 @@ class RLTrainer(Trainer):
         self._warned_exact = False
         self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
         self.is_moe = get_architecture(rl.model.name).moe
+        self.is_sparse = get_architecture(rl.model.name).sparse_attention
         vocab = self.model.cfg.vocab_size
         if self.task.tokenizer.vocab_size > vocab:
             raise UserError(f"task {rl.task.name!r} needs {self.task.tokenizer.vocab_size} token ids; model "
@@ -142,6 +143,9 @@ class RLTrainer(Trainer):
         B = b.tokens.shape[0]
         pieces, n_pieces = self.plan.pieces(B * r.dp_degree, B * r.dp_rank)
         metrics: dict = {} if b.routes is None else {"route_bytes_per_token": rollout.route_bytes_per_token}
+        if b.indices is not None:  # what the trainer is sent: the record under replay, nothing when pinned
+            replay = self.rl.rollout.index_selection == "replay"
+            metrics["index_bytes_per_token"] = rollout.index_bytes_per_token if replay else 0
         times = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         if lag:  # engine vs trainer at the rollout's own (older) weights: the operator mismatch alone
             t0 = time.perf_counter()
@@ -166,6 +170,8 @@ class RLTrainer(Trainer):
                     float((update["logp"][b.mask] - b.mu[b.mask]).abs().max()) if bool(b.mask.any()) else 0.0, "max")
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
                 metrics["policy_lag_log_ratio_abs_max"] = r.reduce(update["lag"], "max")
+        if self.is_sparse:
+            self.model.set_index_override(None)
         if self.is_moe:
             self.model.set_route_override(None)
             metrics["aux_loss"] = self.plan.piece_mean(update["auxes"])  # included in "loss"
@@ -238,18 +244,22 @@ class RLTrainer(Trainer):
         """log pi [len(rows), L - 1] of the sampled tokens of `rows` under the policy the
         sampler drew from (its temperature, renormalised over the same top-k/top-p kept set:
         recomputed from our bitwise-equal logits, or replayed from the sampler's record), 0
-        off the mask. MoE: the engine's routes forced under router replay; `own` collects
-        the router's own choices."""
+        off the mask. MoE: the engine's routes forced under router replay; sparse attention: the
+        engine's key sets forced under index replay; `own` collects the router's and the
+        indexers' own choices."""
         from titan_rl.kernels.sampling import sampled_logprobs
 
         if b.routes is not None and self.rl.rollout.router_replay == "replay":
             self.model.set_route_override(b.flat_routes(rows))
+        if b.indices is not None and self.rl.rollout.index_selection == "replay":
+            self.model.set_index_override(b.flat_indices(rows))
         s, mask = self.rl.sampling, b.mask[rows.start:rows.stop]
         logits = self.model(b.tokens[rows.start:rows.stop])[:, :-1][mask]
         pi = sampled_logprobs(logits, b.tokens[rows.start:rows.stop, 1:][mask], s.temperature,
                               top_k=s.top_k or None, top_p=s.top_p if s.top_p < 1.0 else None, kept=b.kept_rows(rows))
-        if own is not None and b.routes is not None:
-            own.append(torch.stack(self.model.last_own_routes, 1))
+        if own is not None and (b.routes is not None or b.indices is not None):
+            own.append({"routes": torch.stack(self.model.last_own_routes, 1) if b.routes is not None else None,
+                        "indices": torch.stack(self.model.last_own_indices, 1) if b.indices is not None else None})
         return torch.zeros(mask.shape, dtype=pi.dtype).masked_scatter(mask, pi)
 
     def _at_rollout_weights(self, b: ScoredBatch, pi_old: torch.Tensor, own: list, metrics: dict) -> None:
@@ -259,8 +269,12 @@ class RLTrainer(Trainer):
         metrics.update(self.plan.mismatch(pi_old[b.mask], b.mu[b.mask]))
         if b.routes is not None:
             valid = b.routes[:, :, 0, 0] >= 0
-            routes = torch.cat(own).view(*b.routes.shape[:2], *b.routes.shape[2:])
+            routes = torch.cat([o["routes"] for o in own]).view(*b.routes.shape[:2], *b.routes.shape[2:])
             metrics["expert_disagreement"] = self.plan.expert_disagreement(b.routes[valid], routes[valid])
+        if b.indices is not None:  # each recorded (position, indexer layer) set vs the trainer indexer's own
+            valid = b.indices[:, :, 0, 0] >= 0
+            sets = torch.cat([o["indices"] for o in own]).view(*b.indices.shape)
+            metrics["index_disagreement"] = self.plan.index_disagreement(b.indices[valid], sets[valid])
         if enabled(self.corrections):
             b.weights, b.loss_mask, cstats = self.plan.correct(pi_old, b.mu, b.mask, self.corrections)
             b.ref = pi_old
@@ -279,7 +293,8 @@ class RLTrainer(Trainer):
         s, a = self.rl.sampling, self.rl.algorithm
         examples, reqs, params = self._requests(self.step)
         # MoE routes are always recorded: disagreement is measured even without replay
-        capture = {"kept_sets": s.mask_mode == "replay", "routes": self.is_moe}
+        # sparse attention: the selected key sets too (disagreement is measured when pinned as well)
+        capture = {"kept_sets": s.mask_mode == "replay", "routes": self.is_moe, "indices": self.is_sparse}
         if isinstance(self.engine, SeparateEngines):
             pending = self._ahead.pop(self.step, None) or self.engine.start(self.step, reqs, params)
             self._keep_version(self.step - 1)

@@ -79,6 +79,8 @@ def build_titan_config(cfg, run_dir: str) -> Trainer.Config:
         fields["checkpoint_names"] = folder_names(cfg.model.checkpoint, cfg.model.name)
         initial_load = dict(enable=True, initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
                             initial_load_model_only=True)
+    if cfg.model.freeze_indexer:  # GLM-5's RL setting: the indexers take no gradient
+        fields["frozen"] = (".self_attn.indexer.",)
     # how the model computes; its engine gets the same options through config.json
     spec = model_spec(cfg.model.name, cfg.model.flavor, cfg.model_options(), init_seed=cfg.model.seed,
                       init_std=cfg.model.init_std, **fields)

@@ -55,6 +55,9 @@ class TitanModel(BaseModel):
         read it, and config.json carries it to the rollout engine (models/options.py)."""
         init_seed: int = 0
         init_std: float = 0.02
+        frozen: tuple[str, ...] = ()
+        """Parameters built with requires_grad = False (name substrings; model.freeze_indexer:
+        the indexers'): they get no gradient and stay out of the optimizer."""
         checkpoint_names: dict[str, str] = field(default_factory=dict)
         """Our tensor name -> the HF folder's where they differ (titan_rl.checkpoint.folder_names):
         the state-dict adapter reads and writes the folder under these."""
@@ -68,6 +71,9 @@ class TitanModel(BaseModel):
                 raise TypeError(f"TitanModel.Config.build() takes no arguments, got {sorted(kwargs)}")
             arch = get_architecture(self.arch)
             model = arch.build(self.arch_config(), self.options)
+            for name, p in model.named_parameters():
+                if any(f in name for f in self.frozen):
+                    p.requires_grad_(False)
             model.__class__ = _titan_class(type(model))
             model.titan_config = replace(self)
             return model
