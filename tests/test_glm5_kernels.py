@@ -1,0 +1,262 @@
+"""GLM-5's kernels (docs/glm5.md): the indexer's top-k (kernels/indexer), attention over the
+selected keys (kernels/sparse_attention), the indexer key's LayerNorm (kernels/layernorm) and the
+sigmoid router (kernels/moe). Each against its plain fp64 reference at a stated tolerance, the
+tie rule on constructed ties, and invariance with torch.equal: a row's bits are the same in the
+trainer's dense view and the engine's paged one, alone, in any batch, in prefill chunks or
+decode steps, at 1 and 2 threads. Fresh random inputs, odd sizes (row width 83, 3 heads of 24,
+sequences of 1..150 tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_rl.kernels import index_topk, layer_norm, sparse_mla_attention
+from titan_rl.kernels.indexer.reference import index_scores_reference, topk_reference
+from titan_rl.kernels.layernorm.reference import layer_norm_reference
+from titan_rl.kernels.moe import router_sigmoid_topk, topk_ties_low
+from titan_rl.kernels.moe.reference import router_sigmoid_reference
+from titan_rl.kernels.sparse_attention.reference import sparse_attention_reference
+from titan_rl.kernels.sparse_attention.torch_impl import sparse_attention_eager
+
+H, D, W, KEY_OFF, DQ, DV, TOPK = 3, 24, 83, 56, 56, 40, 16  # indexer heads x dim; row width; latent key / value
+LENS = [37, 3, 150, 64, 1, 90]
+DTYPES = [torch.float32, torch.bfloat16]
+# Measured max |kernel - fp64 reference| (fp32 inputs of std 1, |out| <= ~2): sparse attention
+# 4.8e-7; LayerNorm 9.5e-7 (|out| ~ 3). bf16 outputs are one rounding of the fp32 result: 2^-8
+# relative. Index scores are compared through the selection: every selected position's fp64 score
+# is >= every unselected one's, up to SCORE_TOL (fp32 sums over 24 products of std-1 values and 3
+# heads: |score| <= ~30, an fp32 ulp there is 2e-6).
+ATTN_ATOL = {torch.float32: 2e-6, torch.bfloat16: 2**-7}
+LN_ATOL = {torch.float32: 4e-6, torch.bfloat16: 2**-6}
+SCORE_TOL = 1e-4
+
+
+class Seqs:
+    """Random sequences of cache rows and per-position indexer queries / weights, with the two
+    layouts the engines use: the trainer's dense [B, L, W] (one page per sequence) and a paged
+    cache in shuffled pages of `page` rows (vLLM's)."""
+
+    def __init__(self, rng, dtype, lens=LENS, page=16):
+        self.lens, self.dtype, self.page = lens, dtype, page
+        L = max(lens)
+        self.rows = [torch.randn(n, W, generator=rng).to(dtype) for n in lens]
+        self.q = [torch.randn(n, H, D, generator=rng).to(dtype) for n in lens]
+        self.w = [torch.randn(n, H, generator=rng) for n in lens]
+        self.qa = [torch.randn(n, 4, DQ, generator=rng).to(dtype) for n in lens]  # 4 attention heads
+        dense = torch.zeros(len(lens), L, W, dtype=dtype)
+        for i, r in enumerate(self.rows):
+            dense[i, : r.shape[0]] = r
+        self.dense = (dense, torch.arange(len(lens)).view(-1, 1))
+        n_pages = [-(-n // page) for n in lens]
+        order = torch.randperm(sum(n_pages), generator=rng)
+        cache = torch.full((sum(n_pages) + 3, page, W), float("nan"), dtype=dtype)  # unused pages hold NaN
+        bt = torch.full((len(lens), max(n_pages)), -7, dtype=torch.long)
+        k = 0
+        for i, n in enumerate(lens):
+            for p in range(n_pages[i]):
+                slot = int(order[k]) + 3
+                k += 1
+                bt[i, p] = slot
+                part = self.rows[i][p * page:(p + 1) * page]
+                cache[slot, : part.shape[0]] = part
+        self.paged = (cache, bt)
+
+    def call(self, fn, items, layout, **kw):
+        """fn over the query rows `items` ([(sequence, position)], one call), in a layout."""
+        cache, bt = self.dense if layout == "dense" else self.paged
+        seq = torch.tensor([s for s, _ in items])
+        pos = torch.tensor([p for _, p in items])
+        return fn(items, cache, bt, seq, pos, **kw)
+
+
+def _topk(seqs: Seqs, items, cache, bt, seq, pos):
+    q = torch.stack([seqs.q[s][p] for s, p in items])
+    w = torch.stack([seqs.w[s][p] for s, p in items])
+    return index_topk(q, w, cache, bt, seq, pos, KEY_OFF, D ** -0.5, TOPK)
+
+
+def _attend(seqs: Seqs, items, cache, bt, seq, pos, sets):
+    q = torch.stack([seqs.qa[s][p] for s, p in items])
+    ind = torch.stack([sets[(s, p)] for s, p in items])
+    return sparse_mla_attention(q, cache, bt, seq, ind, DQ ** -0.5, DV)
+
+
+def _compositions(seqs: Seqs, rng):
+    """Ways the same rows reach a kernel: all in one call per layout; every sequence alone;
+    decode-sized calls (one row per sequence per call); prefill in random chunks mixed with
+    other sequences' rows; a shuffled sequence order."""
+    every = [(s, p) for s, n in enumerate(seqs.lens) for p in range(n)]
+    yield "dense, one call", "dense", [every]
+    yield "paged, one call", "paged", [every]
+    yield "paged, each sequence alone", "paged", [[(s, p) for p in range(n)] for s, n in enumerate(seqs.lens)]
+    yield "paged, one position of each sequence per call", "paged", [
+        [(s, p) for s, n in enumerate(seqs.lens) if p < n] for p in range(max(seqs.lens))]
+    chunks = []
+    for s, n in enumerate(seqs.lens):
+        cuts = sorted(set(torch.randint(1, max(n, 2), (3,), generator=rng).tolist()) | {0, n})
+        chunks += [[(s, p) for p in range(a, b)] for a, b in zip(cuts, cuts[1:]) if b > a]
+    perm = torch.randperm(len(chunks), generator=rng).tolist()
+    yield "paged, random prefill chunks", "paged", [chunks[i] + chunks[j] for i, j in zip(perm[::2], perm[1::2])] + (
+        [chunks[perm[-1]]] if len(perm) % 2 else [])
+    order = torch.randperm(len(seqs.lens), generator=rng).tolist()
+    yield "dense, shuffled order", "dense", [[(s, p) for s in order for p in range(seqs.lens[s])]]
+
+
+def _per_row(seqs, fn, calls, layout, **kw):
+    out = {}
+    for items in calls:
+        res = seqs.call(fn, items, layout, **kw)
+        for it, r in zip(items, res):
+            out[it] = r
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_index_topk_selects_a_top_k_of_the_reference_scores(rng, dtype):
+    seqs = Seqs(rng, dtype)
+    every = [(s, p) for s, n in enumerate(seqs.lens) for p in range(n)]
+    got = seqs.call(lambda *a: _topk(seqs, *a), every, "paged")
+    cache, bt = seqs.paged
+    seq, pos = torch.tensor([s for s, _ in every]), torch.tensor([p for _, p in every])
+    q = torch.stack([seqs.q[s][p] for s, p in every])
+    w = torch.stack([seqs.w[s][p] for s, p in every])
+    ref = index_scores_reference(q, w, cache, bt, seq, pos, KEY_OFF, D ** -0.5)
+    for (s, p), sel, r in zip(every, got, ref):
+        n = min(TOPK, p + 1)
+        chosen = sel[sel >= 0]
+        assert chosen.numel() == n and torch.equal(chosen, chosen.sort().values) and (sel[n:] == -1).all()
+        out = torch.ones(p + 1, dtype=torch.bool)
+        out[chosen] = False
+        if out.any():
+            assert float(r[chosen].min()) >= float(r[out].max()) - SCORE_TOL, (s, p)
+    assert sum(int((sel >= 0).sum()) < len(range(p + 1)) for (s, p), sel in zip(every, got)) > 100  # it selects
+
+
+def test_index_topk_tie_rule_lowest_position_wins():
+    """relu zeroes every key whose dot products are all negative: exact ties at 0 (common with
+    few indexer heads). Among equal scores the lowest positions win, as the reference's order."""
+    n, k = 40, 12
+    keys = torch.zeros(n, W)
+    pos_score = torch.tensor([5, 9, 17, 30, 33])  # 5 positions with distinct positive scores
+    keys[:, KEY_OFF] = -1.0
+    keys[pos_score, KEY_OFF] = torch.tensor([1.0, 3.0, 2.0, 5.0, 4.0])
+    q = torch.zeros(1, H, D)
+    q[0, :, 0] = 1.0
+    w = torch.ones(1, H)
+    cache, bt = keys.view(1, n, W), torch.zeros(1, 1, dtype=torch.long)
+    sel = index_topk(q, w, cache, bt, torch.tensor([0]), torch.tensor([n - 1]), KEY_OFF, 1.0, k)[0]
+    zeros = [j for j in range(n) if j not in pos_score.tolist()][: k - 5]
+    assert sel.tolist() == sorted(pos_score.tolist() + zeros)
+    ref = topk_reference(index_scores_reference(q, w, cache, bt, torch.tensor([0]), torch.tensor([n - 1]), KEY_OFF,
+                                                1.0)[0], k)
+    assert torch.equal(sel, ref)
+    # all scores equal: positions 0..k-1; -0.0 ties with +0.0 (negative weights times relu's 0)
+    w_neg = -torch.ones(1, H)
+    sel = index_topk(q, w_neg, torch.full((1, n, W), -1.0), bt, torch.tensor([0]), torch.tensor([n - 1]), KEY_OFF,
+                     1.0, k)[0]
+    assert sel.tolist() == list(range(k))
+
+
+def test_index_topk_rows_are_invariant(rng, threads):
+    for dtype in DTYPES:
+        seqs = Seqs(rng, dtype, page=32 if dtype == torch.bfloat16 else 16)
+        base = None
+        for what, layout, calls in _compositions(seqs, rng):
+            got = _per_row(seqs, lambda *a: _topk(seqs, *a), calls, layout)
+            if base is None:
+                base = got
+                continue
+            assert got.keys() == base.keys(), what
+            bad = [it for it in base if not torch.equal(got[it], base[it])]
+            assert not bad, f"{dtype} {what}: {len(bad)} rows differ, e.g. {bad[:3]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_attention_matches_reference(rng, dtype):
+    seqs = Seqs(rng, dtype)
+    every = [(s, p) for s, n in enumerate(seqs.lens) for p in range(n)]
+    sets = dict(zip(every, seqs.call(lambda *a: _topk(seqs, *a), every, "paged")))
+    got = seqs.call(lambda *a: _attend(seqs, *a, sets=sets), every, "paged")
+    cache, bt = seqs.paged
+    q = torch.stack([seqs.qa[s][p] for s, p in every])
+    ind = torch.stack([sets[it] for it in every])
+    seq = torch.tensor([s for s, _ in every])
+    ref = sparse_attention_reference(q, cache, bt, seq, ind, DQ ** -0.5, DV)
+    assert got.dtype == dtype and got.shape == (len(every), 4, DV)
+    scale = max(1.0, float(ref.float().abs().max())) if dtype == torch.bfloat16 else 1.0
+    torch.testing.assert_close(got.float(), ref.float(), atol=ATTN_ATOL[dtype] * scale, rtol=0)
+    eager = sparse_attention_eager(q, cache, bt, seq, ind, DQ ** -0.5, DV)  # the stock form / the backward's
+    torch.testing.assert_close(eager.float(), ref.float(), atol=ATTN_ATOL[dtype] * scale, rtol=0)
+
+
+def test_sparse_attention_rows_are_invariant(rng, threads):
+    for dtype in DTYPES:
+        seqs = Seqs(rng, dtype, page=32)
+        every = [(s, p) for s, n in enumerate(seqs.lens) for p in range(n)]
+        sets = dict(zip(every, seqs.call(lambda *a: _topk(seqs, *a), every, "dense")))
+        base = None
+        for what, layout, calls in _compositions(seqs, rng):
+            got = _per_row(seqs, lambda *a: _attend(seqs, *a, sets=sets), calls, layout)
+            if base is None:
+                base = got
+                continue
+            bad = [it for it in base if not torch.equal(got[it], base[it])]
+            assert not bad, f"{dtype} {what}: {len(bad)} rows differ, e.g. {bad[:3]}"
+
+
+def test_sparse_attention_gradient_is_the_eager_functions(rng):
+    seqs = Seqs(rng, torch.float32, lens=[9, 20])
+    every = [(s, p) for s, n in enumerate(seqs.lens) for p in range(n)]
+    sets = dict(zip(every, seqs.call(lambda *a: _topk(seqs, *a), every, "dense")))
+    cache, bt = seqs.dense
+    q = torch.stack([seqs.qa[s][p] for s, p in every])
+    ind = torch.stack([sets[it] for it in every])
+    seq = torch.tensor([s for s, _ in every])
+    grad = torch.randn(len(every), 4, DV, generator=rng)
+    outs = []
+    for fn in (sparse_mla_attention, sparse_attention_eager):
+        q_, c_ = q.clone().requires_grad_(), cache.clone().requires_grad_()
+        (fn(q_, c_, bt, seq, ind, DQ ** -0.5, DV) * grad).sum().backward()
+        outs.append((q_.grad, c_.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=0)
+    assert outs[0][1][:, :, DQ:].abs().max() == 0  # the indexer keys past the latent get no gradient
+
+
+@pytest.mark.parametrize("width", [24, 200])
+def test_layer_norm_matches_reference_and_rows_are_invariant(rng, width, threads):
+    for dtype in DTYPES:
+        x = (torch.randn(70, width, generator=rng) * 2 + 0.5).to(dtype)
+        w, b = torch.randn(width, generator=rng).to(dtype), torch.randn(width, generator=rng).to(dtype)
+        got = layer_norm(x, w, b, 1e-6)
+        ref = layer_norm_reference(x, w, b, 1e-6)
+        scale = max(1.0, float(ref.float().abs().max())) if dtype == torch.bfloat16 else max(1.0, float(ref.abs().max()))
+        torch.testing.assert_close(got.float(), ref.float(), atol=LN_ATOL[dtype] * scale, rtol=0)
+        for m in (1, 2, 5, 17, 64):
+            assert torch.equal(layer_norm(x[:m], w, b, 1e-6), got[:m])
+        assert torch.equal(layer_norm(x[33:34], w, b, 1e-6), got[33:34])
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_sigmoid_router_matches_reference(rng, n_group, topk_group):
+    E, k, hidden = 8, 3, 75
+    x = torch.randn(60, hidden, generator=rng)
+    gw = torch.randn(E, hidden, generator=rng) * 0.3
+    bias = torch.randn(E, generator=rng) * 0.1
+    w, ids, own = router_sigmoid_topk(x, gw, bias, k, n_group, topk_group, True, 2.5, sigmoid=torch.sigmoid)
+    rw, rids = router_sigmoid_reference(x, gw, bias, k, n_group, topk_group, True, 2.5)
+    assert torch.equal(ids, rids) and torch.equal(own, ids)
+    torch.testing.assert_close(w.double(), rw, atol=1e-5, rtol=0)
+    # replay: the forced experts' current scores, renormalised; rows starting with -1 keep their own
+    forced = torch.stack([ids[:, [1, 0, 2]][:30], torch.full((30, k), -1)]).view(60, k)
+    w2, ids2, _ = router_sigmoid_topk(x, gw, bias, k, n_group, topk_group, True, 2.5, sigmoid=torch.sigmoid,
+                                      route_override=forced)
+    assert torch.equal(ids2[:30], ids[:30, [1, 0, 2]]) and torch.equal(ids2[30:], ids[30:])
+
+
+def test_expert_ties_go_to_the_lowest_index():
+    scores = torch.tensor([[0.5, 0.7, 0.7, 0.1, 0.7], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    assert topk_ties_low(scores, 3).tolist() == [[1, 2, 4], [0, 1, 2]]
+    with pytest.raises(ValueError, match="NaN"):
+        topk_ties_low(torch.tensor([[float("nan"), 1.0]]), 1)
