@@ -3,6 +3,7 @@ tested against, and a checkpoint to point `python -m titan_rl.parity --model.nam
 without a hub.
 
     python -m titan_rl.hf_reference --arch qwen3_5 --out /tmp/q35 [--stock-shapes] [--seed 0]
+    python -m titan_rl.hf_reference --arch glm_moe_dsa --out /tmp/glm5
 
 Odd sizes by default (hidden 200, vocab 997, 3 value heads per key head, GDN head dims 32 / 16,
 a conv of width 3, 5 experts of 72, a shared expert of 88). `--stock-shapes` keeps the odd
@@ -29,7 +30,8 @@ GLM = dict(vocab_size=997, hidden_size=200, intermediate_size=328, moe_intermedi
            qk_rope_head_dim=16, v_head_dim=20, n_routed_experts=5, num_experts_per_tok=2, n_shared_experts=1,
            first_k_dense_replace=1, index_topk=16, index_head_dim=24, index_n_heads=3, max_position_embeddings=4096,
            routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm_moe_dsa")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the real hybrids (tests and scripts iterate them)
+ALL_ARCHS = (*ARCHS, "glm_moe_dsa")
 
 
 def classes(arch: str):
@@ -50,7 +52,7 @@ def classes(arch: str):
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
         return GlmMoeDsaConfig, GlmMoeDsaForCausalLM, {}
-    raise ValueError(f"arch = {arch!r}: allowed: {list(ARCHS)}")
+    raise ValueError(f"arch = {arch!r}: allowed: {list(ALL_ARCHS)}")
 
 
 def hf_model(arch: str, seed: int, *, tied: bool = False, stock_shapes: bool = False, scale: float = 0.02,
@@ -97,7 +99,7 @@ def vl_model(seed: int, *, scale: float = 0.02, **fields):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_rl.hf_reference", description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", required=True, choices=ARCHS)
+    ap.add_argument("--arch", required=True, choices=ALL_ARCHS)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=0.2, help="std of the noise added to the init (default 0.2: "

@@ -124,6 +124,11 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
     ed = [r["expert_disagreement"] for r in rl if finite(r.get("expert_disagreement"))]
     if ed:
         out.append(("max over steps of expert_disagreement (MoE)", max(ed)))
+    idx = [r["index_disagreement"] for r in rl if finite(r.get("index_disagreement"))]
+    if idx:
+        out.append(("max over steps of index_disagreement (sparse attention)", max(idx)))
+        ib = [r["index_bytes_per_token"] for r in rl if finite(r.get("index_bytes_per_token"))]
+        out.append(("index_bytes_per_token (shipped: replay's record, 0 pinned)", max(ib) if ib else None))
     checks = [r["weights_checksum_equal"] for r in rl if "weights_checksum_equal" in r]
     if checks:
         out.append(("weight sync checksum equal at every RL step", all(checks)))
@@ -196,6 +201,10 @@ def run_report(run_dir: str, rows: list[dict]) -> str:
                       "MoE expert disagreement per step (sampler vs trainer router)", "step",
                       "share of expert choices", log=True, zero_means_equal=True)]
           if any("expert_disagreement" in r for r in rl) else []),
+        *([line_chart([("index_disagreement", _pts(rows, "index_disagreement", "rl"))],
+                      "Sparse attention: index disagreement per step (sampler's key sets vs the trainer indexer's)",
+                      "step", "share of (position, layer) sets", log=True, zero_means_equal=True)]
+          if any("index_disagreement" in r for r in rl) else []),
         line_chart([("SFT", _pts(rows, "loss", "sft")), ("RL", _pts(rows, "loss", "rl"))],
                    "Loss (SFT warm-up, then RL policy gradient)", "step", "loss"),
         line_chart([("response_length", _pts(rows, "response_length", "rl"))],
@@ -227,6 +236,12 @@ PARITY_KEYS = [
     ("routed_positions", "MoE: positions whose experts were compared"),
     ("expert_disagreement", "MoE: share of the sampler's expert choices the trainer's router did not make"),
     ("route_bytes_per_token", "MoE: router-replay record size per token"),
+    ("index_selection", "sparse attention: pinned (the trainer recomputes the key sets) or replay (the sampler's)"),
+    ("indexed_positions", "sparse attention: positions whose selected key sets were compared"),
+    ("index_disagreement", "sparse attention: share of the sampler's (position, layer) key sets the trainer's indexer "
+                           "did not select"),
+    ("index_bytes_per_token", "sparse attention: bytes per token the mode ships to the trainer (0 when pinned)"),
+    ("index_record_bytes_per_token", "sparse attention: the index-replay record's size per token"),
     ("unified_vs_builtin_max_abs_dlogp", "our exact model vs vLLM's built-in one, max"),
     ("unified_vs_builtin_mean_abs_dlogp", "our exact model vs vLLM's built-in one, mean"),
     ("rollout_seconds", "sampling wall time (s)"),

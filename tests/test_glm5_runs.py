@@ -1,0 +1,64 @@
+"""GLM-5 through the command lines: the issue's parity command on a folder transformers writes
+(`--model.name=auto --kernels both`): exact is bitwise (sampled tokens, full vocabulary) with
+index and expert disagreement 0, pinned (nothing shipped) and replay (the record shipped), while
+the stock column (transformers' cached decode vs its full forward: vLLM's CPU build has no
+sparse-attention backend) is not; and a short RL run (`rl_debug_glm5.toml`, frozen indexer, index
+replay) with max |dlogp| 0 and index disagreement 0 at every step."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from titan_rl import parity  # noqa: E402
+from titan_rl.hf_reference import hf_model  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+@pytest.mark.parametrize("dtype,mode", [("float32", "pinned"), ("bfloat16", "replay")])
+def test_the_issue_command_is_bitwise_with_a_nonzero_stock_column(tmp_path, seed, monkeypatch, dtype, mode):
+    monkeypatch.chdir(ROOT)
+    hf_model("glm_moe_dsa", seed % 2**31, scale=0.2).save_pretrained(tmp_path / "hf")
+    out = tmp_path / "parity.json"
+    rc = parity.main(["--config", "train_configs/debug_glm5.toml", "--model.name=auto",
+                      f"--model.checkpoint={tmp_path / 'hf'}", "--kernels", "both", "--num-prompts", "4",
+                      "--seed", str(seed % 1000), "--json", str(out), f"--model.dtype={dtype}",
+                      f"--rollout.index_selection={mode}", "--sampling.max_tokens=16", "--parity.prompt_len_min=20",
+                      "--parity.prompt_len_max=60", "--rollout.max_model_len=512", "--rollout.max_num_seqs=8"])
+    assert rc == 0
+    res = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+    exact, stock = res["exact"], res["stock"]
+    assert exact["tokens"] == 64 and exact["full_vocab_positions"] > 0
+    assert exact["bitwise_fraction"] == 1 and exact["max_abs_dlogp"] == 0 and exact["full_vocab_max_abs_dlogp"] == 0
+    assert exact["index_disagreement"] == 0 and exact["expert_disagreement"] == 0
+    assert exact["index_selection"] == mode and exact["index_record_bytes_per_token"] == 3 * 16 * 2
+    assert exact["index_bytes_per_token"] == (96 if mode == "replay" else 0)
+    assert exact["contract"]["differs"] == []
+    assert stock["stock_source"].startswith("transformers decode vs forward: vLLM's CPU build has no sparse-attention")
+    assert stock["tokens"] == 64 and stock["max_abs_dlogp"] > 0 and stock["bitwise_fraction"] < 1
+    assert 0 <= stock["index_disagreement"] <= 1 and stock["indexed_positions"] == exact["indexed_positions"]
+
+
+def test_rl_with_a_frozen_indexer_and_index_replay_has_zero_mismatch(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "titan_rl.train", "--config", "train_configs/rl_debug_glm5.toml", "--run-dir", str(run),
+           "--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.prompts_per_step=2",
+           "--algorithm.group_size=4", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false",
+           "--rollout.index_selection=replay"]
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(run / "metrics.jsonl") as f:
+        ms = [json.loads(ln) for ln in f if ln.strip()]
+    rl = [m for m in ms if m["phase"] == "rl"]
+    assert len(rl) == 2
+    for m in rl:
+        assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"], m
+        assert m["index_disagreement"] == 0.0 and m["expert_disagreement"] == 0.0, m
+        assert m["index_bytes_per_token"] == 96, m  # 3 indexer layers x 16 positions x int16
