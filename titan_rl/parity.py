@@ -120,7 +120,8 @@ class Scores:
     entropy: list[torch.Tensor]  # float32 [R_i]: the trainer's entropy at each of those positions
     full: list[torch.Tensor | None]  # float32 [R_i, V]: full log-prob rows where the rollout has the sampler's
     routes: list[torch.Tensor] | None  # MoE: the trainer router's experts [P_i + R_i - 1, layers, k]
-    indices: list[torch.Tensor] | None = None  # sparse attention: the trainer indexers' own sets [P_i + R_i - 1, layers, topk]
+    # sparse attention: the trainer indexers' own key sets [P_i + R_i - 1, layers, topk]
+    indices: list[torch.Tensor] | None = None
 
 
 @torch.no_grad()

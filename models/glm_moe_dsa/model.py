@@ -149,7 +149,8 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: GlmDsaConfig, layer_idx: int, ops: Ops):
         super().__init__()
         self.layer_idx, self.ops = layer_idx, ops
-        self.h, self.nope, self.rope_dim, self.v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.h, self.nope, self.v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
         self.kv_lora, self.theta, self.topk = cfg.kv_lora_rank, cfg.rope_theta, cfg.index_topk
         e = cfg.hidden_size
         self.q_a_proj = Linear(e, cfg.q_lora_rank, ops)
