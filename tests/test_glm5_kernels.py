@@ -260,3 +260,16 @@ def test_expert_ties_go_to_the_lowest_index():
     assert topk_ties_low(scores, 3).tolist() == [[1, 2, 4], [0, 1, 2]]
     with pytest.raises(ValueError, match="NaN"):
         topk_ties_low(torch.tensor([[float("nan"), 1.0]]), 1)
+
+
+def test_reads_outside_the_cache_are_refused(rng):
+    """A wrong set (a replayed one, say) must fail loudly, not read past the block table."""
+    seqs = Seqs(rng, torch.float32, lens=[20, 5], page=16)
+    cache, bt = seqs.paged
+    q = torch.randn(1, 4, DQ, generator=rng)
+    ind = torch.full((1, TOPK), -1)
+    ind[0, :2] = torch.tensor([3, 40])  # sequence 1 has one page: position 40 is past it
+    with pytest.raises(RuntimeError, match="reads position 40 past its block table"):
+        sparse_mla_attention(q, cache, bt, torch.tensor([1]), ind, 1.0, DV)
+    with pytest.raises(RuntimeError, match="names sequence 5"):
+        sparse_mla_attention(q, cache, bt, torch.tensor([5]), ind, 1.0, DV)

@@ -198,3 +198,18 @@ def test_frozen_indexer_gets_no_gradient_and_leaves_the_optimizer(rng):
     opt.step()
     for n, p in m.named_parameters():
         assert torch.equal(p, before[n]) == (n in frozen), n
+
+
+def test_a_replayed_set_with_positions_a_row_cannot_see_is_refused(rng):
+    from titan_rl.registry import get_architecture
+
+    m = get_architecture("glm_moe_dsa").build("debug_glm5").init_weights(2, 0.05).eval()
+    toks = torch.randint(2, 997, (1, 30), generator=rng)
+    with torch.no_grad():
+        m(toks)
+        sets = [s.long().clone() for s in m.last_own_indices]
+    sets[1][4, 1] = 7  # position 4 would attend to position 7
+    m.set_index_override(sets)
+    with pytest.raises(ValueError, match=r"layer 1: replayed key set \[0, 7, .* of position 4 is not ascending"):
+        with torch.no_grad():
+            m(toks)

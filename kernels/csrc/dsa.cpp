@@ -56,6 +56,26 @@ struct Paged {
   }
 };
 
+// Every position a row reads must lie in its block-table row and on a page of the cache (a
+// wrong replayed set or row must fail here, not read outside the cache).
+void check_reads(const at::Tensor& cache, const at::Tensor& bt, const int64_t* row_seq, const int64_t* pos,
+                 int64_t T, int64_t K) {
+  const int64_t page = cache.size(1), n_pages = cache.size(0), S = bt.size(0), bt_s = bt.size(1);
+  const int64_t* b = bt.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = row_seq[t];
+    TORCH_CHECK(s >= 0 && s < S, "dsa: row ", t, " names sequence ", s, " of ", S);
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t p = pos[t * K + j];
+      if (p < 0) continue;
+      TORCH_CHECK(p / page < bt_s, "dsa: row ", t, " reads position ", p, " past its block table (", bt_s, " pages of ",
+                  page, ")");
+      const int64_t pg = b[s * bt_s + p / page];
+      TORCH_CHECK(pg >= 0 && pg < n_pages, "dsa: row ", t, " reads position ", p, " on page ", pg, " of ", n_pages);
+    }
+  }
+}
+
 Paged paged_of(const at::Tensor& cache, const at::Tensor& bt) {
   TORCH_CHECK(cache.dim() == 3 && cache.stride(2) == 1, "dsa: cache [pages, page, W] with contiguous rows");
   const int64_t e = cache.element_size();
@@ -203,6 +223,8 @@ at::Tensor indexer_topk(const at::Tensor& q_in, const at::Tensor& w_in, const at
   at::Tensor out = at::empty({T, topk}, q.options().dtype(at::kLong));
   if (T == 0) return out;
   const Paged pg = paged_of(cache, bt);
+  // a row reads positions 0..pos: the last page it touches decides
+  check_reads(cache, bt, row_seq.data_ptr<int64_t>(), row_pos.data_ptr<int64_t>(), T, 1);
   const float sc = static_cast<float>(scale);
   using B = c10::BFloat16;
   const bool qb = q.scalar_type() == at::kBFloat16, cb = cache.scalar_type() == at::kBFloat16;
@@ -296,6 +318,7 @@ at::Tensor sparse_mla_attention(const at::Tensor& q_in, const at::Tensor& cache,
   at::Tensor out = at::empty({T, H, dv}, q.options());
   if (T == 0) return out;
   const Paged pg = paged_of(cache, bt);
+  check_reads(cache, bt, row_seq.data_ptr<int64_t>(), ind.data_ptr<int64_t>(), T, K);
   const float sc = static_cast<float>(scale);
   using B = c10::BFloat16;
   const bool qb = q.scalar_type() == at::kBFloat16, cb = cache.scalar_type() == at::kBFloat16;

@@ -202,6 +202,13 @@ class MLAttention(nn.Module):
                 raise ValueError(f"layer {self.layer_idx}: index override has shape {tuple(forced.shape)}, expected "
                                  f"{tuple(own.shape)}")
             used = torch.where(forced[:, :1] >= 0, forced, own)
+            # a set may only hold positions the row can see (0..its own), ascending, -1 after them
+            order = (used[:, 1:] >= 0) & ((used[:, 1:] <= used[:, :-1]) | (used[:, :-1] < 0))
+            bad = ((used > view.row_pos[:, None]) | (used < -1)).any(-1) | order.any(-1)
+            if bool(bad.any()):
+                r = int(bad.nonzero()[0])
+                raise ValueError(f"layer {self.layer_idx}: replayed key set {used[r].tolist()} of position "
+                                 f"{int(view.row_pos[r])} is not ascending positions <= {int(view.row_pos[r])}")
         self.last_indices, self.last_own_indices = used, own
 
         w_uk_t, w_uv = self.per_head()
