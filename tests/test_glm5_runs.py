@@ -21,7 +21,9 @@ from titan_rl.hf_reference import hf_model  # noqa: E402
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-@pytest.mark.parametrize("dtype,mode", [("float32", "pinned"), ("bfloat16", "replay")])
+# (bf16 with replay: transformers' decode and forward then agree on most tokens, bitwise on all of
+# a sample this small at times, so its stock column is checked in fp32)
+@pytest.mark.parametrize("dtype,mode", [("float32", "replay"), ("bfloat16", "pinned")])
 def test_the_issue_command_is_bitwise_with_a_nonzero_stock_column(tmp_path, seed, monkeypatch, dtype, mode):
     monkeypatch.chdir(ROOT)
     hf_model("glm_moe_dsa", seed % 2**31, scale=0.2).save_pretrained(tmp_path / "hf")
