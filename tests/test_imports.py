@@ -175,3 +175,20 @@ def test_generic_code_imports_no_model():
     models = ("titan_rl.models.qwen3", "titan_rl.models.qwen3_moe", "titan_rl.models.qwen3_hybrid")
     bad = [(m, n) for m in generic for n in graph[m] if n.startswith(models)]
     assert not bad, bad
+
+
+def test_every_package_is_listed_for_installation():
+    """pyproject.toml lists its packages by name (package-dir maps models/ and kernels/), so a
+    new package folder that is not listed imports in an editable install but is missing
+    from a wheel. Every package found here must be in the list, and nothing else but the
+    data-only folders (kernels/csrc)."""
+    import os
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    listed = set(setuptools["packages"]) - set(setuptools.get("package-data", {}))  # data-only folders
+    found = {name for name, path in project_modules().items() if path.endswith("__init__.py")}
+    assert found - listed == set(), f"packages missing from pyproject.toml's list: {sorted(found - listed)}"
+    assert listed - found == set(), f"pyproject.toml lists packages that do not exist: {sorted(listed - found)}"
