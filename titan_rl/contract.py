@@ -156,6 +156,15 @@ def check_ranks(mine: Contract, world_group=None) -> None:
 
 # -- each side ----------------------------------------------------------------------------
 
+def _resolved_name(fn, device) -> str:
+    """What `fn` runs on `device`, or that it has no form there: an op a model never calls may
+    lack one (GLM-5's ops are CPU-only); a model that calls it fails at the call, naming it."""
+    try:
+        return _qualname(dispatch.resolve(fn, device))
+    except NotImplementedError:
+        return f"none on {dispatch.backend_for(device)}"
+
+
 def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
                 attention: Callable | None = None, gradient_leaves: str = NOT_BUILT) -> Contract:
     """The contract of a model built by a registered architecture (its `ops` and `cfg`),
@@ -166,7 +175,7 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
     ops, cfg = model.ops, model.cfg
     dtype = dtype or _param_dtype(model)
     device = _param_device(model)
-    named = {name: _qualname(dispatch.resolve(getattr(ops, name), device)) for name in OPS}
+    named = {name: _resolved_name(getattr(ops, name), device) for name in OPS}
     # the row-mixing kernel: the model's own (`attention_op`, default its dense causal
     # attention; GLM-5's sparse attention) or the one the engine's attention backend calls
     own = getattr(ops, getattr(model, "attention_op", "causal_attention"))
