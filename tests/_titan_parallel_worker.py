@@ -7,7 +7,8 @@ trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic da
 det_fsdp (deterministic leaf-tree reduction: 3 AdamW steps at FSDP = world vs FSDP = 1, dense/MoE/hybrid),
 det_tp (the same at FSDP = world/2 x TP = 2 vs one process, tp_leaves > 0; det_tp_dense: dense only),
 det_fsdp_dense (det_fsdp's dense cases, deterministic only: FSDP = 4 on four ranks),
-ranks_tree (leaf_reduction.ranks_tree vs all_gather + tree_sum, world and strided subgroups);
+ranks_tree (leaf_reduction.ranks_tree vs all_gather + tree_sum, world and strided subgroups),
+gather_dp (Ranks.gather_dp vs all_gather_object);
 "a+b" runs both in one launch. TITAN_TEST_SEED (env): the seed of tp_hybrid and engine_tp.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
@@ -595,6 +596,32 @@ def run_ranks_tree(res: dict) -> None:
     res["ranks_tree_equal"], res["ranks_tree_cases"] = all(flags), checked
 
 
+def run_gather_dp(res: dict) -> None:
+    """titan_rl.rl.ranks.Ranks.gather_dp (tensors as rows of bytes, lengths exchanged first
+    unless same_shape) returns what all_gather_object + cat returned: every dtype the step
+    gathers (bool masks, int16/int32 MoE routes, bf16/fp32/fp64 values, int64), ranks with
+    different and with zero lengths, 1-3 dims."""
+    from titan_rl.rl.ranks import Ranks
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks = Ranks(rank, world, rank, world, None)
+    gen = torch.Generator().manual_seed(rank)
+    ok, cases = True, 0
+    for dtype in (torch.bool, torch.int16, torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.float64):
+        for shape in ((5,), (3, 4), (0,), (0, 3), (2, 3, 2)):
+            for same in (False, True):
+                n = shape[0] if same else (shape[0] + rank if shape[0] else rank % 2)
+                t = (torch.randn(n, *shape[1:], generator=gen) * 100).to(dtype)
+                every = [None] * world
+                dist.all_gather_object(every, t)
+                want, got = torch.cat(every), ranks.gather_dp(t, same_shape=same)
+                ok = ok and got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+                cases += 1
+    flags = [None] * world
+    dist.all_gather_object(flags, ok)
+    res["gather_dp_equal"], res["gather_dp_cases"] = all(flags), cases
+
+
 def run_det_fsdp_dense(res: dict) -> None:
     """FSDP = world (four ranks: one leaf each, the exchange over four ranks) vs FSDP = 1,
     dense fp32 and bf16 compute, the leaf-tree reduction only."""
@@ -761,6 +788,7 @@ def main() -> int:
         "det_tp": lambda: run_det_tp(res),
         "det_tp_dense": lambda: run_det_tp(res, ("dense", "dense_bf16")),
         "ranks_tree": lambda: run_ranks_tree(res),
+        "gather_dp": lambda: run_gather_dp(res),
         "det_fsdp_dense": lambda: run_det_fsdp_dense(res),
     }
     try:

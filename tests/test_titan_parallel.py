@@ -207,6 +207,13 @@ def test_ranks_tree_equals_the_gathered_tree(tmp_path, nproc):
     assert r["ranks_tree_cases"] == 6 * (2 if nproc == 4 else 1)
 
 
+def test_gather_dp_equals_all_gather_object(tmp_path):
+    """The statistics' gather over data-parallel ranks (Ranks.gather_dp, tensors sent as
+    bytes) returns what all_gather_object did, for every dtype and ragged lengths."""
+    r = launch("gather_dp", 2, tmp_path)
+    assert r["gather_dp_equal"] and r["gather_dp_cases"] == 70
+
+
 def test_deterministic_reduction_fsdp4_equals_fsdp1_after_3_steps(tmp_path):
     """FSDP = 4 (one leaf per rank, the shard exchange over four ranks) and FSDP = 1 train
     the same 4 leaves: weights torch.equal after 3 clipped AdamW steps, fp32 and bf16."""
