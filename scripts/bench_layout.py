@@ -2,7 +2,7 @@
 (gradient leaves + the fixed tree, titan_rl.titan.leaf_reduction) vs FSDP2's own
 reduce-scatter, side by side in one invocation.
 
-    python scripts/bench_layout.py [--repeats 2] [--steps 40] [--sft-steps 20] [--json OUT]
+    python scripts/bench_layout.py [--repeats 3] [--steps 40] [--sft-steps 20] [--json OUT]
     python scripts/bench_layout.py --separate-runs [--repeats 3] [--steps 16] [--sft-steps 8]
 
 Default (alternating steps): each repeat is one run of the real trainer under `torchrun
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
         return _alternating_worker(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=None, help="runs (default 2; 3 with --separate-runs)")
+    ap.add_argument("--repeats", type=int, default=None, help="runs (default 3)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 40; 16 with --separate-runs)")
     ap.add_argument("--sft-steps", type=int, default=None, help="of which SFT (default 20; 8 with --separate-runs)")
     ap.add_argument("--separate-runs", action="store_true", help="each mode in its own runs (see the docstring)")
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sep = args.separate_runs
-    args.repeats = args.repeats or (3 if sep else 2)
+    args.repeats = args.repeats or 3
     args.steps = args.steps or (16 if sep else 40)
     args.sft_steps = args.sft_steps or (8 if sep else 20)
     if args.repeats < 1 or args.sft_steps < 4 or args.steps - args.sft_steps < 4:
