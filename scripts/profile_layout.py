@@ -108,7 +108,8 @@ def summary(prefix: str, agg=statistics.median) -> None:
                 steps = [x for x in steps if x["mode"] == mode]
                 keys = {k for x in steps for k in x if k not in ("step", "phase", "mode", "calls")}
                 per_rank.append({k: agg([x.get(k, 0.0) for x in steps]) for k in keys})
-            table[mode] = {k: 1000 * sum(p.get(k, 0.0) for p in per_rank) / 2 for k in set(per_rank[0]) | set(per_rank[1])}
+            keys = set(per_rank[0]) | set(per_rank[1])
+            table[mode] = {k: 1000 * sum(p.get(k, 0.0) for p in per_rank) / 2 for k in keys}
         keys = sorted(set(table["deterministic"]) | set(table["plain"]), key=lambda k: (k != "total", k))
         print(f"== {phase}: ms per step, {agg.__name__} over steps, mean of the 2 ranks")
         print(f"{'':28s}{'deterministic':>15s}{'plain':>10s}{'det - plain':>13s}")
