@@ -5,7 +5,10 @@ tp_hybrid (the GDN hybrid at TP = world), engine_tp (vLLM at tensor_parallel_siz
 vs the trainer at TP = world; it goes last: vLLM's engine shutdown ends the process group),
 trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data),
 det_fsdp (deterministic leaf-tree reduction: 3 AdamW steps at FSDP = world vs FSDP = 1, dense/MoE/hybrid),
-det_tp (the same at FSDP = world/2 x TP = 2 vs one process, tp_leaves > 0; det_tp_dense: dense only);
+det_tp (the same at FSDP = world/2 x TP = 2 vs one process, tp_leaves > 0; det_tp_dense: dense only),
+det_fsdp_dense (det_fsdp's dense cases, deterministic only: FSDP = 4 on four ranks),
+ranks_tree (leaf_reduction.ranks_tree vs all_gather + tree_sum, world and strided subgroups),
+gather_dp (Ranks.gather_dp vs all_gather_object);
 "a+b" runs both in one launch. TITAN_TEST_SEED (env): the seed of tp_hybrid and engine_tp.
 
 Every rank builds the same seeded debug model; the unsharded single-process forward on
@@ -550,6 +553,89 @@ def run_det_fsdp(res: dict) -> None:
     res["det_min_clip_scale"] = min(CLIP_SCALES)
 
 
+def run_ranks_tree(res: dict) -> None:
+    """leaf_reduction.ranks_tree (the exchange of shards + the tree on one shard) against the
+    tree it replaces: every rank's whole flat gathered, tree_sum over ranks in rank order,
+    this rank's shard kept. On the world group and, with four ranks, on the two
+    strided subgroups {0, 2} and {1, 3} (the FSDP groups of a 2 x 2 FSDP x TP mesh). Values
+    span 1e-30..1e30 with both signs and signed zeros, so any other order or pairing of the
+    adds would show in the bits."""
+    from titan_rl.kernels import tree_sum
+    from titan_rl.titan.leaf_reduction import ranks_tree
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [("world", None, list(range(world)))]
+    if world == 4:
+        for members in ([0, 2], [1, 3]):
+            g = dist.new_group(members)  # every rank creates every group, in the same order
+            if rank in members:
+                groups.append(("strided", g, members))
+    checked, ok = 0, True
+    for name, group, members in groups:
+        d, me = len(members), members.index(rank)
+        for dtype in (torch.float32, torch.bfloat16):
+            for shard in (1, 7, 4099):
+                gen = torch.Generator().manual_seed(1000 * shard + me)
+                flat = torch.randn(d * shard, generator=gen) * 10.0 ** torch.randint(-30, 31, (d * shard,),
+                                                                                     generator=gen)
+                flat[::5] = 0.0
+                flat[1::7] = -0.0
+                flat = flat.to(dtype)
+                everyone = [torch.empty_like(flat) for _ in range(d)]
+                dist.all_gather(everyone, flat, group=group)
+                want = tree_sum(torch.stack([f.view(d, -1)[me] for f in everyone]))
+                out = torch.full((shard,), float("nan"), dtype=dtype)
+                ranks_tree(flat, out, group)
+                same = torch.equal(out, want) and torch.equal(torch.signbit(out), torch.signbit(want))
+                if not same:
+                    ok = False
+                    res.setdefault("ranks_tree_differ", []).append([name, str(dtype), shard, rank])
+                checked += 1
+    flags = [None] * world
+    dist.all_gather_object(flags, ok)
+    res["ranks_tree_equal"], res["ranks_tree_cases"] = all(flags), checked
+
+
+def run_gather_dp(res: dict) -> None:
+    """titan_rl.rl.ranks.Ranks.gather_dp (tensors as rows of bytes, lengths exchanged first
+    unless same_shape) returns what all_gather_object + cat returned: every dtype the step
+    gathers (bool masks, int16/int32 MoE routes, bf16/fp32/fp64 values, int64), ranks with
+    different and with zero lengths, 1-3 dims."""
+    from titan_rl.rl.ranks import Ranks
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks = Ranks(rank, world, rank, world, None)
+    gen = torch.Generator().manual_seed(rank)
+    ok, cases = True, 0
+    for dtype in (torch.bool, torch.int16, torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.float64):
+        for shape in ((5,), (3, 4), (0,), (0, 3), (2, 3, 2)):
+            for same in (False, True):
+                n = shape[0] if same else (shape[0] + rank if shape[0] else rank % 2)
+                t = (torch.randn(n, *shape[1:], generator=gen) * 100).to(dtype)
+                every = [None] * world
+                dist.all_gather_object(every, t)
+                want, got = torch.cat(every), ranks.gather_dp(t, same_shape=same)
+                ok = ok and got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+                cases += 1
+    flags = [None] * world
+    dist.all_gather_object(flags, ok)
+    res["gather_dp_equal"], res["gather_dp_cases"] = all(flags), cases
+
+
+def run_det_fsdp_dense(res: dict) -> None:
+    """FSDP = world (four ranks: one leaf each, the exchange over four ranks) vs FSDP = 1,
+    dense fp32 and bf16 compute, the leaf-tree reduction only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "solo"))
+    for tag, dtype in (("dense", None), ("dense_bf16", torch.bfloat16)):
+        wide = det_train("qwen3", "debug", mesh["dp"], True, dtype)
+        solo = det_train("qwen3", "debug", mesh["solo"], True, dtype)
+        res[f"det_{tag}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
+        res[f"det_{tag}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
+    res["det_min_clip_scale"] = min(CLIP_SCALES)
+
+
 DET_TP_LEAVES = 8
 
 
@@ -701,6 +787,9 @@ def main() -> int:
         "det_fsdp": lambda: run_det_fsdp(res),
         "det_tp": lambda: run_det_tp(res),
         "det_tp_dense": lambda: run_det_tp(res, ("dense", "dense_bf16")),
+        "ranks_tree": lambda: run_ranks_tree(res),
+        "gather_dp": lambda: run_gather_dp(res),
+        "det_fsdp_dense": lambda: run_det_fsdp_dense(res),
     }
     try:
         for part in mode.split("+"):  # "a+b": both in one launch, in that order

@@ -196,6 +196,33 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     assert r["det_min_clip_scale"] < 1 and r["dettp_min_clip_scale"] < 1  # clipping was active
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ranks_tree_equals_the_gathered_tree(tmp_path, nproc):
+    """The leaf-tree's last step over ranks (leaf_reduction.ranks_tree: an all_to_all of
+    shards, then the tree on this rank's shard) gives, bit for bit and sign of zero
+    included, the shard of tree_sum over every rank's whole gradient (what the all_gather
+    form computed), fp32 and bf16, on the world group and on strided subgroups."""
+    r = launch("ranks_tree", nproc, tmp_path)
+    assert r["ranks_tree_equal"], r.get("ranks_tree_differ")
+    assert r["ranks_tree_cases"] == 6 * (2 if nproc == 4 else 1)
+
+
+def test_gather_dp_equals_all_gather_object(tmp_path):
+    """The statistics' gather over data-parallel ranks (Ranks.gather_dp, tensors sent as
+    bytes) returns what all_gather_object did, for every dtype and ragged lengths."""
+    r = launch("gather_dp", 2, tmp_path)
+    assert r["gather_dp_equal"] and r["gather_dp_cases"] == 70
+
+
+def test_deterministic_reduction_fsdp4_equals_fsdp1_after_3_steps(tmp_path):
+    """FSDP = 4 (one leaf per rank, the shard exchange over four ranks) and FSDP = 1 train
+    the same 4 leaves: weights torch.equal after 3 clipped AdamW steps, fp32 and bf16."""
+    r = launch("det_fsdp_dense", 4, tmp_path, timeout=240)
+    for tag in ("dense", "dense_bf16"):
+        assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
+    assert r["det_min_clip_scale"] < 1
+
+
 def test_deterministic_fsdp2_x_tp2_equals_one_process_after_3_steps(tmp_path):
     """FSDP 2 x TP 2 (four ranks) with tp_leaves = 8 and the leaf-tree reduction: weights
     after 3 clipped AdamW steps torch.equal to one process's, dense fp32 and bf16 compute

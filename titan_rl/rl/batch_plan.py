@@ -229,13 +229,15 @@ class LeafTree(BatchPlan):
         loss.backward()
 
     def step_sum(self, values):
-        return float(tree_sum(self.ranks.gather_dp(torch.stack(values))))
+        return float(tree_sum(self.ranks.gather_dp(torch.stack(values), same_shape=True)))
 
     def piece_mean(self, values):
         return self.step_sum(values) / self.n_leaves
 
     def mismatch(self, pi, mu):
-        m = logprob_mismatch(self.ranks.gather_dp(pi), self.ranks.gather_dp(mu))
+        # one exchange for the two (float64 holds both exactly; the statistics compare in it)
+        both = self.ranks.gather_dp(torch.stack([pi.double(), mu.double()], 1))
+        m = logprob_mismatch(both[:, 0], both[:, 1])
         return {k: m[k] for k in STEP_MISMATCH}
 
     def expert_disagreement(self, engine_routes, own):
@@ -246,16 +248,19 @@ class LeafTree(BatchPlan):
 
     def correct(self, pi_old, mu, mask, corrections):
         """On the global batch (the same masks and fractions on every layout); this rank keeps its rows."""
-        g = self.ranks.gather_dp
+        def g(t):  # every rank's rows: [B, L] (widened), the same shape on every rank
+            return self.ranks.gather_dp(t, same_shape=True)
+
         rows = slice(self.ranks.dp_rank * pi_old.shape[0], (self.ranks.dp_rank + 1) * pi_old.shape[0])
         weights, new_mask, stats = apply_corrections(g(pi_old), g(mu), g(mask), corrections)
         return weights[rows], new_mask[rows], stats
 
     def batch_stats(self, rewards, tokens, rows, loss_mask, pieces):
         r = self.ranks
-        valid = r.reduce(float(loss_mask.sum()), "sum", over_dp=True)
         clipped = sum(round(fraction * n) if n else 0 for fraction, n in pieces)
-        every = r.gather_dp(rewards)
+        # counts (integers: exact in float64 whatever the order of the sum), in one exchange
+        valid, tokens, clipped = r.reduce_sums([float(loss_mask.sum()), tokens, clipped], over_dp=True)
+        every = r.gather_dp(rewards, same_shape=True)  # B rows per rank
         return {"reward_mean": float(fixed_sum(every) / every.numel()),
-                "response_length": r.reduce(tokens, "sum", over_dp=True) / (rows * r.dp_degree),
-                "clip_fraction": r.reduce(clipped, "sum", over_dp=True) / max(valid, 1.0)}
+                "response_length": tokens / (rows * r.dp_degree),
+                "clip_fraction": clipped / max(valid, 1.0)}

@@ -10,6 +10,7 @@ together (one rank's failure stops all of them).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,17 +44,43 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM, group=group)
         return float(t) / n if how == "mean" else float(t)
 
+    def reduce_sums(self, xs: list[float], over_dp: bool = False) -> list[float]:
+        """Several sums in one all_reduce (each element as `reduce(x, "sum")` gives it)."""
+        group, n = (self.dp_group, self.dp_degree) if over_dp else (None, self.world)
+        if n == 1:
+            return [float(x) for x in xs]
+        t = torch.tensor(xs, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return [float(x) for x in t]
+
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any rank."""
         return self.reduce(1.0 if flag else 0.0, "max") > 0
 
-    def gather_dp(self, t: torch.Tensor) -> torch.Tensor:
-        """The data-parallel ranks' `t` (any length along dim 0), concatenated in rank order."""
+    def gather_dp(self, t: torch.Tensor, same_shape: bool = False) -> torch.Tensor:
+        """The data-parallel ranks' `t` (any length along dim 0, the same trailing shape and
+        dtype), concatenated in rank order. `same_shape`: the caller knows every rank's `t`
+        has one shape, so the lengths need not be exchanged first. Tensors travel as
+        tensors (no pickling: all_gather_object cost a few ms per call on the RL step)."""
         if self.dp_degree == 1:
             return t
-        parts = [None] * self.dp_degree
-        dist.all_gather_object(parts, t, group=self.dp_group)
-        return torch.cat(parts)
+        group, n, rest = self.dp_group, self.dp_degree, t.shape[1:]
+        # as rows of bytes: gloo has no int16 / int32 (MoE routes), and bytes copy any dtype exactly
+        raw = t.contiguous().reshape(t.shape[0], math.prod(rest)).view(torch.uint8)
+        if same_shape:
+            parts = [torch.empty_like(raw) for _ in range(n)]
+            dist.all_gather(parts, raw, group=group)
+        else:
+            length = torch.tensor([raw.shape[0]], dtype=torch.int64)
+            lengths = [torch.empty_like(length) for _ in range(n)]
+            dist.all_gather(lengths, length, group=group)
+            lengths = [int(x) for x in lengths]
+            padded = raw.new_zeros((max(lengths), raw.shape[1]))
+            padded[:raw.shape[0]] = raw
+            parts = [torch.empty_like(padded) for _ in range(n)]
+            dist.all_gather(parts, padded, group=group)
+            parts = [p[:k] for p, k in zip(parts, lengths)]
+        return torch.cat(parts).view(t.dtype).reshape(-1, *rest)
 
     def digest_dp(self, local: torch.Tensor) -> str:
         """sha256 over the data-parallel ranks' equal-shaped `local` tensors, in rank order."""

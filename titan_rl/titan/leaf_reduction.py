@@ -11,9 +11,10 @@ its shape), so FSDP = 1 and FSDP = 2 round differently after one step. What fixe
     values on every layout;
   * a fixed tree: each FSDP unit's flat gradient of each leaf is pushed onto a binary-counter
     stack (`TreeStack`: equal levels merge, so 2^k leaves give tree_sum's balanced tree);
-    after the rank's last leaf, the ranks all_gather their subtree sums and every rank
-    finishes the same tree over ranks and keeps its shard. FSDP = 1, 2, 4, ... then add the
-    same leaves in the same order: ((l0 + l1) + (l2 + l3)) + ...
+    after the rank's last leaf, the ranks exchange their subtree sums shard by shard (one
+    all_to_all: rank j receives every rank's j-th shard, in rank order) and each rank finishes
+    the same tree over ranks on its own shard. FSDP = 1, 2, 4, ... then add the same leaves in
+    the same order: ((l0 + l1) + (l2 + l3)) + ...
 
 TorchTitan's FSDP2 stays the engine: `install` gives every FSDP unit a custom reduce-scatter
 (FSDPModule.set_custom_reduce_scatter) when the FSDP group has more than one rank, and an
@@ -23,9 +24,11 @@ sharded gradients (0 + x == x), so the gradients FSDP holds after the last leaf'
 are the tree's. The clipping norm and AdamW then see the same values on shards and on the
 whole (elementwise optimizer updates; the norm over full gradients, rl/trainer.py).
 
-Cost (scripts/bench_layout.py): G forwards/backwards of the leaves instead of one per rank,
-a flat copy of each unit's gradient per leaf (the stack holds log2(G/D) + 1 of them) and an
-all_gather of the whole unsharded gradient instead of a reduce-scatter.
+Cost (scripts/bench_layout.py): G/D forwards/backwards of the leaves per rank instead of one,
+and the stack's nodes (log2(G/D) + 1 flat gradients of a unit). The exchange moves what a
+reduce-scatter moves (each rank sends (D - 1)/D of its flat gradient and receives as much);
+on gloo, two ranks, the debug model's units, it took half of gloo's own reduce_scatter's time
+(docs/torchtitan.md, "Cost").
 Not covered: HSDP (dp_replicate > 1). Under TP (tp_leaves > 0) the TP ranks' partial sums go
 through the model file's own fixed trees (titan_rl/parallel/tp_linear.py), so FSDP x TP layouts agree too.
 """
@@ -39,10 +42,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
-from titan_rl.kernels import tree_sum
 from titan_rl.kernels.reduction import fixed_sum
 
-__all__ = ["LeafReduction", "TreeStack", "grad_norm", "install"]
+__all__ = ["LeafReduction", "TreeStack", "grad_norm", "install", "ranks_tree"]
 
 
 class TreeStack:
@@ -83,18 +85,34 @@ class _UnitTree:
     def reduce(self, flat: torch.Tensor, out: torch.Tensor, group) -> None:
         """flat: this rank's reduce-scatter input of one leaf ([world, shard] rank-major);
         out: this rank's shard. Zeros until the last leaf, then the tree over leaves and ranks."""
-        self.stack.push(flat.clone())
+        # FSDP2 allocates a fresh reduce-scatter input per call and never writes it again, so
+        # the stack may hold it as is; at FSDP = 1 (the all-reduce hook) flat IS out, which
+        # FSDP keeps as the gradient and we zero below: that one must be copied.
+        self.stack.push(flat.clone() if flat is out else flat)
         if not self.reduction.last_leaf:
             out.zero_()
             return
         mine = self.stack.pop()
         if group is None:
-            out.copy_(mine)
+            if mine is not out:
+                out.copy_(mine)
             return
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        parts = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(parts, mine, group=group)
-        out.copy_(tree_sum(torch.stack([p.view(world, -1)[rank] for p in parts])))
+        ranks_tree(mine, out, group)
+
+
+def ranks_tree(mine: torch.Tensor, out: torch.Tensor, group) -> None:
+    """out = this rank's shard of tree_sum over the ranks' `mine` ([world, shard] rank-major),
+    bit for bit, moving only shards: one all_to_all gives this rank every rank's shard of
+    it in rank order, then the same balanced tree (neighbours first) runs on the shard
+    alone, its last level written into `out`. The all_gather of whole gradients this
+    replaces moved D times as much and added D shards that D - 1 ranks threw away."""
+    world = dist.get_world_size(group)
+    parts = torch.empty_like(mine)
+    dist.all_to_all_single(parts, mine, group=group)
+    parts = parts.view(world, -1)
+    while parts.shape[0] > 2:
+        parts = parts[0::2] + parts[1::2]
+    torch.add(parts[0], parts[1], out=out.view(-1))
 
 
 class _TreeReduceScatter(DefaultReduceScatter):
