@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from titan_rl.kernels import gemm_weight
-from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, uses_quant_gemm
+from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quant_operands, uses_quant_gemm
 from titan_rl.kernels.quant.recipes import QuantLayer
 from titan_rl.models.ops import Ops
 
@@ -146,15 +146,6 @@ class Linear(nn.Module):
         self.qweight = QuantizedWeight(tensor.recipe, tensor.payload.clone(), tuple(s.clone() for s in tensor.scales),
                                        tensor.dtype)
         self.weight = None
-
-
-def quant_operands(mods: list[Linear]):
-    """What the quantized GEMM multiplies for these modules (one recipe): the engine's held
-    payloads and scales, packed now (a PackedQuant), or the trainer's weights, quantized by
-    `quant_linear` (gradients flow to them)."""
-    if all(m.qweight is not None for m in mods):
-        return PackedQuant.of(mods)
-    return [m.weight for m in mods]
 
 
 def fused_gemm_weight(mods: list[Linear]):

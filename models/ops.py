@@ -30,7 +30,7 @@ from titan_rl.kernels import (attention_dense, gdn_recurrent, linear, linear_k_l
                               rms_norm, rms_norm_heads, silu_mul)
 from titan_rl.kernels import rope as rope_exact
 from titan_rl.kernels.gdn import gdn_chunked, l2norm, lane_stable
-from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, uses_quant_gemm
+from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quant_operands, uses_quant_gemm
 from titan_rl.kernels.quant.recipes import QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
 from titan_rl.models.options import ModelOptions
@@ -110,8 +110,6 @@ class Ops:
             return [m(x) for m in mods]
         if mods[0].recipe is not None:
             if isinstance(packed, PackedQuant) or (packed is None and uses_quant_gemm(mods[0].recipe, x.dtype, x.device)):
-                from titan_rl.models.layers import quant_operands
-
                 y = quant_linear(x, quant_operands(mods) if packed is None else packed, mods[0].recipe)
                 return list(y.split([m.out_rows for m in mods], -1))
             x = mods[0].operand_input(x)

@@ -136,6 +136,16 @@ class PackedQuant:
         return self.packed
 
 
+def quant_operands(mods: Sequence):
+    """What the quantized GEMM multiplies for Linear modules that read one input (one recipe):
+    the engine's held payloads and scales, packed now (a PackedQuant: where it holds them but
+    has not prepared them), or the trainer's weights, which `quant_linear` quantizes per call
+    (gradients flow to them)."""
+    if all(m.qweight is not None for m in mods):
+        return PackedQuant.of(mods)
+    return [m.weight for m in mods]
+
+
 def _run(x2: torch.Tensor, pq: PackedQuant) -> torch.Tensor:
     if x2.shape[-1] != pq.k:
         raise ValueError(f"quant_linear: input has K = {x2.shape[-1]}, the weight {pq.k}")
