@@ -72,6 +72,9 @@ class Linear(nn.Module):
             self.quant_input = quantizes_activations(self.recipe)
         self.gemm_weight = None  # engine: `weight` prepared for the GEMM (prepare_for_engine)
         self.qweight = None  # engine: the weight as payload + scales (load_quantized; `weight` is then None)
+        # engine, quantized GEMM: (the PackedQuant its forward reads, its first row there, its
+        # last + 1): its own, or its share of a fused [q; k; v] / [gate; up]
+        self.packed_rows = None
 
     @property
     def out_rows(self) -> int:
@@ -119,9 +122,23 @@ class Linear(nn.Module):
         Returns the modules whose weights this covered."""
         if self.recipe is not None and uses_quant_gemm(self.recipe, *self._dtype_device()):
             self.gemm_weight = PackedQuant.of([self])
+            self.packed_rows = (self.gemm_weight, 0, self.gemm_weight.n)
         else:
             self.gemm_weight = gemm_weight(self.operand_weight().detach())
         return [self]
+
+    def held_weight(self) -> torch.Tensor:
+        """The engine's weight as its forward multiplies by it (for the post-sync checksum):
+        read back from the packed bytes the quantized GEMM reads, else the held payload
+        dequantized, else the parameter."""
+        if self.packed_rows is not None:
+            from titan_rl.kernels.quant import dequantize
+
+            pq, start, stop = self.packed_rows
+            return dequantize(*pq.unpack(start, stop), self.recipe, self.qweight.dtype)
+        if self.qweight is not None:
+            return self.qweight.dense()
+        return self.weight.detach()
 
     def _dtype_device(self) -> tuple[torch.dtype, torch.device]:
         """The dtype the GEMM computes in and the device, from what this module holds."""
@@ -143,6 +160,7 @@ class Linear(nn.Module):
             raise ValueError(f"checkpoint key {name!r}: a {tensor.recipe} weight of {tensor.dtype}; this engine "
                              f"runs {self.recipe} in {dtype}")
         # the engine's own copy: what it holds is never the sender's tensor
+        self.packed_rows = None  # until prepare_for_engine packs the new payload
         self.qweight = QuantizedWeight(tensor.recipe, tensor.payload.clone(), tuple(s.clone() for s in tensor.scales),
                                        tensor.dtype)
         self.weight = None
@@ -156,7 +174,11 @@ def fused_gemm_weight(mods: list[Linear]):
     if not mods[0].ops.fuse_same_input or mods[0].ops.tp_leaves:
         return None
     if mods[0].recipe is not None and uses_quant_gemm(mods[0].recipe, *mods[0]._dtype_device()):
-        return PackedQuant.of(mods)
+        pq, start = PackedQuant.of(mods), 0
+        for m in mods:
+            m.packed_rows = (pq, start, start + m.out_rows)
+            start += m.out_rows
+        return pq
     return gemm_weight(torch.cat([m.operand_weight() for m in mods]).detach())
 
 

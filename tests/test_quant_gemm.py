@@ -220,3 +220,22 @@ def test_engine_forward_equals_the_trainers_in_both_forms(recipe, form, monkeypa
         full = trainer(tokens)
         assert torch.equal(engine(tokens), full)
         assert torch.equal(engine(tokens[2:3])[0], full[2])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_unpack_gives_back_each_parts_payload_and_scales(recipe):
+    """PackedQuant.unpack (what the engine's weight checksum reads back from the bytes the GEMM
+    multiplies) returns each part's quantize() payload and scales, bit for bit."""
+    _form()
+    g = _gen()
+    k, ns = SHAPES[recipe][1]
+    ws = [_rows(n, k, g) for n in ns]
+    parts = [quantize(w, recipe, "weight") for w in ws]
+    pq = qg.PackedQuant.from_parts(recipe, parts)
+    start = 0
+    for n, (payload, scales) in zip(ns, parts):
+        got_p, got_s = pq.unpack(start, start + n)
+        assert torch.equal(_bits(got_p), _bits(payload)) and len(got_s) == len(scales)
+        for a, b in zip(got_s, scales):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+        start += n

@@ -67,6 +67,11 @@ namespace {
 constexpr int64_t QNB = 32;   // output columns per packed block
 constexpr int64_t QMR = 8;    // rows per micro-tile (16 accumulators)
 constexpr int64_t QMC = 192;  // rows per chunk (each column block is expanded once per chunk)
+// How far ahead of the k-pair being expanded its payload is prefetched: a decode step streams
+// the whole weight from memory once, and the hardware prefetcher alone left the dot products
+// waiting (an 8-row fp8 tile ran at 70% of the dot-product peak from memory, 90% with 4 KB
+// ahead, 96% with the payload in L1; one core, 2026-12-02).
+constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int64_t FMT_FP8 = 0, FMT_NVFP4 = 1, FMT_NVFP4_W4A4 = 2;
 
 bool qgemm_available() {
@@ -280,6 +285,7 @@ struct Fp8Tables {
 // Expanders: pair(p, w0, w1) gives the bf16 weights of k-pair p for the block's columns 0..15
 // (w0) and 16..31 (w1), each [column][2]; block(kb) is called before pair 8 kb.
 struct Fp8Expand {
+  static constexpr int64_t PAIR_BYTES = 2 * QNB;
   const uint8_t* pw;
   __m512i lo0, lo1, hi0, hi1, sign, mix0, mix1;
   explicit Fp8Expand(const uint8_t* w) : pw(w) {
@@ -315,6 +321,7 @@ TITAN_RL_INLINE __m512 e4m3_scales(const uint8_t* p) {
 }
 
 struct Nvfp4Expand {
+  static constexpr int64_t PAIR_BYTES = QNB;
   const uint8_t* pw;
   const uint8_t* ps;
   __m512 table, sb0, sa0, sb1, sa1;
@@ -343,6 +350,7 @@ struct Nvfp4Expand {
 template <class E>
 TITAN_RL_INLINE void expand(E e, int64_t kp, uint16_t* s) {
   for (int64_t p = 0; p < kp; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(e.pw + p * E::PAIR_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
     if ((p & 7) == 0) e.block(p >> 3);
     __m512i w0, w1;
     e.pair(p, w0, w1);
@@ -405,11 +413,12 @@ struct FromBuffer {
   }
 };
 
-// weights expanded in registers as the one row tile of a block consumes them
+// weights expanded in registers as the row tiles of a block consume them
 template <class E>
 struct Direct {
   E e;
   TITAN_RL_INLINE void get(int64_t p, __m512i& w0, __m512i& w1) {
+    _mm_prefetch(reinterpret_cast<const char*>(e.pw + p * E::PAIR_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
     if ((p & 7) == 0) e.block(p >> 3);
     e.pair(p, w0, w1);
   }

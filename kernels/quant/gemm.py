@@ -131,6 +131,23 @@ class PackedQuant:
         packed, blocks, col, dense = _ops().nvfp4_prepare(ws, NVFP4_SCALE_MIN)
         return cls(recipe, n, k, packed, blocks, col), dense
 
+    def unpack(self, start: int, stop: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(payload, scales) of rows [start, stop) (one part: one weight of a fused [q; k; v]) as
+        kernels.quant.quantize gives them, read back from the packed bytes the GEMM reads: what
+        the engine's weight checksum dequantizes (titan_rl.quant_weights.engine_weights)."""
+        nb, kp = self.packed.shape[0], self.packed.shape[1]
+        if self.recipe == "fp8_rowwise":  # [b][p][column][k parity] -> [b, column][p, parity]
+            codes = self.packed.view(nb, kp, 32, 2).permute(0, 2, 1, 3).reshape(nb * 32, 2 * kp)
+            payload = codes[start:stop, :self.k].contiguous().view(torch.float8_e4m3fn)
+            return payload, (self.col_scale[start:stop, None].clone(),)
+        # [b][p][half z][c8][parity] bytes, low nibble column 16z + c8, high nibble 16z + 8 + c8
+        b = self.packed.view(nb, kp, 2, 8, 2)
+        nib = torch.stack([b & 15, b >> 4], 3)  # [b, p, z, nibble, c8, parity]
+        codes = nib.permute(0, 2, 3, 4, 1, 5).reshape(nb * 32, 2 * kp)[start:stop]
+        payload = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+        blocks = self.block_scales.permute(0, 2, 1).reshape(nb * 32, -1)[start:stop].contiguous()
+        return payload, (blocks.view(torch.float8_e4m3fn), self.col_scale[start].clone())
+
     @property
     def data(self) -> torch.Tensor:  # the dispatcher reads a prepared weight's device from .data
         return self.packed
