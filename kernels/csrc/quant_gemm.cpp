@@ -385,7 +385,8 @@ TITAN_RL_INLINE void store16(__m512 acc, int64_t m, const float* rs, const float
 template <int R, class W>
 TITAN_RL_INLINE void tile(const uint32_t* a, int64_t m0, int64_t kp, W wsrc, const float* rs, const float* cs, uint16_t* out,
                  int64_t N, int64_t n0) {
-  const uint32_t* h = a + m0 * kp;  // rows m0..m0+7's panel (m0 is a multiple of 8)
+  const uint32_t* h[R];  // the rows as k-pairs
+  for (int r = 0; r < R; ++r) h[r] = a + (m0 + r) * kp;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kp; ++p) {
@@ -393,7 +394,7 @@ TITAN_RL_INLINE void tile(const uint32_t* a, int64_t m0, int64_t kp, W wsrc, con
     wsrc.get(p, w0i, w1i);
     const __m512bh w0 = (__m512bh)w0i, w1 = (__m512bh)w1i;
     for (int r = 0; r < R; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(h[p * 8 + r]));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(h[r][p]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
     }
@@ -462,8 +463,9 @@ inline uint16_t* scratch(int64_t kp) {
   return b.p;
 }
 
-// The calling thread's buffer for one input row's payload (n bf16 values), kept between calls.
-inline uint16_t* row_buffer(int64_t n) {
+// The calling thread's buffer for a chunk of input rows' payload (n bf16 values), kept between
+// calls.
+inline uint16_t* row_chunk(int64_t n) {
   struct Buf {
     uint16_t* p = nullptr;
     size_t bytes = 0;
@@ -474,7 +476,7 @@ inline uint16_t* row_buffer(int64_t n) {
   if (need > b.bytes) {
     std::free(b.p);
     b.p = static_cast<uint16_t*>(std::aligned_alloc(64, need));
-    TORCH_CHECK(b.p != nullptr, "quant_linear: out of memory for a row buffer");
+    TORCH_CHECK(b.p != nullptr, "quant_linear: out of memory for the input's payload");
     b.bytes = need;
   }
   return b.p;
@@ -502,14 +504,15 @@ TITAN_RL_INLINE void column_block(E e, const uint32_t* a, int64_t m0, int64_t me
 }
 
 // prep(m0, m1): make input rows [m0, m1) ready (their payload), called before they are used
-template <class Prep>
-void qgemm(const uint32_t* a, const float* rs, int64_t M, int64_t kp, const uint8_t* pw, const uint8_t* ps,
+template <class Rows, class Prep>
+void qgemm(const Rows& rows, const float* rs, int64_t M, int64_t kp, const uint8_t* pw, const uint8_t* ps,
            const float* cs, int64_t N, int64_t fmt, uint16_t* out, const Prep& prep) {
   const int64_t nb = (N + QNB - 1) / QNB;
   const int64_t wstride = kp * (fmt == FMT_FP8 ? 2 * QNB : QNB), sstride = (kp / 8) * QNB;
   for (int64_t mc = 0; mc < M; mc += QMC) {
     const int64_t me = mc + QMC < M ? mc + QMC : M;
     prep(mc, me);  // a chunk's input payload is made just before its GEMM: still in cache
+    const uint32_t* a = rows(mc);
     at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         if (fmt == FMT_FP8)
@@ -568,6 +571,13 @@ inline __m512 round_e2m1_v(__m512 v) {  // quant_common.h's round_e2m1 (its sum 
   return _mm512_mask_mov_ps(signed_r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), v);
 }
 
+// bf16 bits of values that are exact in bf16 (a payload value: e4m3, or e2m1 times its block
+// scale): the top half, which is what rounding would give; NaN -> 0x7FC0 as bf16_of does.
+TITAN_RL_INLINE __m256i exact_bf16_of(__m512 v) {
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0)));
+}
+
 // quant_common.h's abs_max (a max is exact in any order; NaN if any element is NaN)
 inline float abs_max_v(const c10::BFloat16* x, int64_t K) {
   const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
@@ -592,7 +602,7 @@ inline void fp8_row_values_v(const c10::BFloat16* x, int64_t K, float eps, uint1
   for (int64_t j = 0; j < K; j += 16) {
     const __mmask16 k = tail_mask(K - j);
     const __m512 v = clamp_v(_mm512_div_ps(load_bf16(x + j, k), vs), FP8_MAX);
-    _mm256_mask_storeu_epi16(q + j, k, bf16_of(round_e4m3_v(v)));
+    _mm256_mask_storeu_epi16(q + j, k, exact_bf16_of(round_e4m3_v(v)));
   }
   *s = sc;
 }
@@ -608,7 +618,7 @@ inline void nvfp4_row_values_v(const c10::BFloat16* x, int64_t K, float g_min, u
     sb = sb < E4M3_TINY ? E4M3_TINY : (sb > FP8_MAX ? FP8_MAX : sb);
     const float e = round_e4m3(sb), recip = inv_g / e;
     const __m512 v = clamp_v(_mm512_mul_ps(load_bf16(x + b, 0xFFFF), _mm512_set1_ps(recip)), F4_MAX);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b), bf16_of(_mm512_mul_ps(round_e2m1_v(v), _mm512_set1_ps(e))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b), exact_bf16_of(_mm512_mul_ps(round_e2m1_v(v), _mm512_set1_ps(e))));
   }
   *g_out = g;
 }
@@ -792,35 +802,34 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   (void)param;  // read by the input's quantization only (not compiled without the instructions)
   if (M == 0) return y;
 #ifdef TITAN_RL_QGEMM
-  // The input as the tiles read it: panels of 8 rows, [M/8][kp][8] k-pairs (a tile's broadcasts
-  // then come from one pointer); for fp8 / w4a4 the rows' payload (exact bf16 values) and row
-  // scales, made chunk by chunk just before the chunk's GEMM (still in cache).
-  at::Tensor a = at::empty({(M + 7) / 8, kp, 8}, x.options().dtype(at::kInt));
-  at::Tensor rs = fmt != FMT_NVFP4 ? at::empty({M}, x.options().dtype(at::kFloat)) : at::Tensor();
-  uint32_t* ap = reinterpret_cast<uint32_t*>(a.data_ptr());
-  float* rsp = fmt != FMT_NVFP4 ? rs.data_ptr<float>() : nullptr;
+  // The input as the tiles read it, rows of k-pairs: x itself (nvfp4), or for fp8 / w4a4 the
+  // rows' payload (exact bf16 values) and row scales, made chunk by chunk just before the
+  // chunk's GEMM into the calling thread's buffer of QMC rows (still in cache when the tiles read
+  // it; a fresh [M, K] tensor per call cost more in page faults than the quantization itself).
+  const bool quant_rows = fmt != FMT_NVFP4;
+  at::Tensor rs = quant_rows ? at::empty({M}, x.options().dtype(at::kFloat)) : at::Tensor();
+  float* rsp = quant_rows ? rs.data_ptr<float>() : nullptr;
+  uint16_t* buf = quant_rows ? row_chunk(std::min(M, QMC) * 2 * kp) : nullptr;
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const float prm = static_cast<float>(param);
+  // rows of chunk [m0, m1) as k-pairs; the tiles address row m at rows(m0) + m * kp
+  auto rows = [=](int64_t m0) -> const uint32_t* {
+    return quant_rows ? reinterpret_cast<const uint32_t*>(buf) - m0 * kp : reinterpret_cast<const uint32_t*>(xp);
+  };
   auto prep = [=](int64_t m0, int64_t m1) {
+    if (!quant_rows) return;
     at::parallel_for(m0, m1, 1, [=](int64_t r0, int64_t r1) {
-      uint16_t* row = fmt != FMT_NVFP4 ? row_buffer(2 * kp) : nullptr;
       for (int64_t r = r0; r < r1; ++r) {
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(xp + r * K);
-        if (fmt != FMT_NVFP4) {
-          if (fp8)
-            fp8_row_values_v(xp + r * K, K, prm, row, rsp + r);
-          else
-            nvfp4_row_values_v(xp + r * K, K, prm, row, rsp + r);
-          if (K % 2) row[K] = 0;  // the odd K's pair partner: +0 (the packed weight has +0 there too)
-          src = row;
-        }
-        uint32_t* panel = ap + (r / 8) * kp * 8 + r % 8;
-        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(src);
-        for (int64_t p = 0; p < kp; ++p) panel[p * 8] = pairs[p];
+        uint16_t* row = buf + (r - m0) * 2 * kp;
+        if (fp8)
+          fp8_row_values_v(xp + r * K, K, prm, row, rsp + r);
+        else
+          nvfp4_row_values_v(xp + r * K, K, prm, row, rsp + r);
+        if (K % 2) row[K] = 0;  // the odd K's pair partner: +0 (the packed weight has +0 there too)
       }
     });
   };
-  qgemm(ap, rsp, M, kp, packed.data_ptr<uint8_t>(), fp8 ? nullptr : pscales->data_ptr<uint8_t>(),
+  qgemm(rows, rsp, M, kp, packed.data_ptr<uint8_t>(), fp8 ? nullptr : pscales->data_ptr<uint8_t>(),
         col_scale.data_ptr<float>(), n, fmt, reinterpret_cast<uint16_t*>(y.data_ptr()), prep);
 #endif
   return y;
