@@ -289,3 +289,13 @@ def test_the_self_check_probes_the_quantized_gemm(monkeypatch):
             selfcheck.check_platform(torch.bfloat16)
     finally:
         selfcheck.clear_cache()
+
+
+def test_forced_triton_backend_keeps_the_dense_form(monkeypatch):
+    """Under dispatch.use_backend("triton") (the GPU code path on CPU tensors) quantized linears
+    run the dense form, as on CUDA: the quantized GEMM is the CPU kernels' form only."""
+    from titan_rl.kernels import dispatch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # backend_for's guard; nothing here imports triton
+    with dispatch.use_backend("triton"):
+        assert not qg.uses_quant_gemm("fp8_rowwise", torch.bfloat16, "cpu")

@@ -59,8 +59,12 @@ def uses_quant_gemm(recipe: str | None, dtype: torch.dtype, device: torch.device
     GEMM (both engines ask this; the answer depends on nothing else)."""
     if recipe not in FORMATS or dtype != torch.bfloat16:
         return False
+    from titan_rl.kernels import dispatch
+
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    return kind == "cpu" and quant_gemm_form() == "dpbf16"
+    # CPU tensors on the CPU kernels (not under dispatch.use_backend("triton"), which runs the GPU
+    # code path on CPU: there quantized linears stay the dense form, as on CUDA)
+    return kind == "cpu" and dispatch.backend_for(kind) == "torch" and quant_gemm_form() == "dpbf16"
 
 
 def _param(recipe: str) -> float:
