@@ -29,12 +29,13 @@
 // blocks of 32 outputs: fp8 [N/32][K/2][64 bytes] and nvfp4 [N/32][K/2][32 bytes] + block
 // scales [N/32][K/16][32 bytes], zero-padded past N (and past an odd K for fp8). The byte
 // order inside a k-pair's 64 / 32 bytes is the one the expansion below reads, so that it
-// writes the bf16 block in bf16_logits.cpp's order ([K/2][32 columns][2]) with a few
+// gives the bf16 block in bf16_logits.cpp's order ([K/2][32 columns][2]) with a few
 // shuffles: e4m3 -> bf16 by two 128-entry byte tables (vpermi2b: low and high byte of the
-// bf16 value, the sign or-ed in), e2m1 -> fp32 by a 16-entry table (vpermps) times the block
-// scale, converted to bf16 (exact). Each column block is expanded once per chunk of up to 192
-// rows into a per-thread buffer (32 x K bf16: L1/L2), then every row tile of the chunk runs
-// bf16_logits's micro-kernel on it.
+// bf16 value, the sign or-ed in), e2m1 times its block scale by a 64-entry word table
+// (vpermi2w, by magnitude code and the scale's mantissa) plus the scale's exponent. Up to 16 rows (a decode step) the tiles expand the weights
+// in registers as they consume them; more rows, each column block is expanded once per chunk
+// of up to 192 rows into a per-thread buffer (32 x K bf16: L1/L2) that every row tile of the
+// chunk reads. The micro-kernel is bf16_logits's (8 rows x 32 columns).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,9 +44,9 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
-#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -223,10 +224,9 @@ at::Tensor fp8_pack(const at::Tensor& codes_in) {
 }
 
 // nvfp4: payload [N, K/2] + block scales [N, K/16] -> (packed [ceil(N/32), K/2, 32],
-// scales [ceil(N/32), K/16, 32]). Inside a k-pair's 32 bytes, half z (columns 16z..16z+15) is
-// bytes 16z..16z+15; column 16z + c (c < 8) is the low nibble of bytes 16z + 2c (k even) and
-// 16z + 2c + 1 (k odd), column 16z + 8 + c their high nibble: what the expansion's two table
-// look-ups (low nibble, high nibble) turn into the bf16 order.
+// scales [ceil(N/32), K/16, 32]). Inside a k-pair's 32 bytes, column c < 16 is the low nibble
+// of bytes 2c (k even) and 2c + 1 (k odd), column 16 + c their high nibble: the low nibbles
+// of the 32 bytes, widened to words, are columns 0..15 in the bf16 order, the high ones 16..31.
 std::tuple<at::Tensor, at::Tensor> nvfp4_pack(const at::Tensor& payload_in, const at::Tensor& bscales_in) {
   TORCH_CHECK(payload_in.dim() == 2 && payload_in.element_size() == 1, "nvfp4_pack: payload [N, K/2] (bytes)");
   const at::Tensor payload = payload_in.contiguous(), bscales = bscales_in.contiguous();
@@ -244,13 +244,13 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_pack(const at::Tensor& payload_in, cons
   at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t c = 0; c < QNB && b * QNB + c < N; ++c) {
-        const int64_t n = b * QNB + c, z = c / 16, cc = c % 16, high = cc >= 8, j = (cc % 8) * 2;
+        const int64_t n = b * QNB + c, high = c >= 16, j = (c % 16) * 2;
         const uint8_t* row = src + n * (K / 2);
         uint8_t* blk = dst + b * kp * QNB;
         for (int64_t p2 = 0; p2 < kp; ++p2) {  // pair p2: elements 2 p2 (low nibble), 2 p2 + 1 (high)
           const uint8_t byte = row[p2];
           const uint8_t lo = byte & 15u, hi = byte >> 4;
-          uint8_t* d = blk + p2 * QNB + z * 16 + j;
+          uint8_t* d = blk + p2 * QNB + j;
           d[0] = static_cast<uint8_t>(high ? (d[0] & 15u) | (lo << 4) : (d[0] & 0xF0u) | lo);
           d[1] = static_cast<uint8_t>(high ? (d[1] & 15u) | (hi << 4) : (d[1] & 0xF0u) | hi);
         }
@@ -309,41 +309,61 @@ struct Fp8Expand {
   }
 };
 
-alignas(64) constexpr float E2M1_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// bf16 bits of (1 + m/8) * v for the e2m1 magnitude v of code c (0..7) and an e4m3 block
+// scale's mantissa m (0..7), at [c + 8 m], less 127 << 7: adding the scale's exponent part
+// (E + 120) << 7 gives bf16(v * e) for e = 2^(E - 7) (1 + m/8) (both exact: <= 6 significant
+// bits, exponents well inside bf16's range). c = 0 (zero) is masked, never added.
+struct Nvfp4Table {
+  alignas(64) uint16_t t[64];
+  Nvfp4Table() {
+    constexpr float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int m = 0; m < 8; ++m)
+      for (int c = 0; c < 8; ++c)
+        t[c + 8 * m] = c == 0 ? 0 : static_cast<uint16_t>(f_to_bf16((1.0f + m / 8.0f) * mag[c]) - (127u << 7));
+  }
+};
 
-// 16 e4m3 block scales (bytes, never subnormal: >= 2^-6 by the clamp) -> fp32; NaN stays NaN
-TITAN_RL_INLINE __m512 e4m3_scales(const uint8_t* p) {
-  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(d, 20), _mm512_set1_epi32(120 << 23)));
-  const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(d, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
-  return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
-}
-
+// nvfp4 without floating-point work (the dot products keep the FMA pipes; an fp32 product per
+// element cost a third of the tile's speed): per element, one 64-entry word look-up by
+// (magnitude code, the column's scale mantissa), plus the column's scale exponent, the sign
+// or-ed in, zero codes masked to +0 (a zero weight's sign cannot change a sum started at +0),
+// NaN scales (a NaN in the weight) forced to NaN.
 struct Nvfp4Expand {
   static constexpr int64_t PAIR_BYTES = QNB;
   const uint8_t* pw;
   const uint8_t* ps;
-  __m512 table, sb0, sa0, sb1, sa1;
-  Nvfp4Expand(const uint8_t* w, const uint8_t* s) : pw(w), ps(s) { table = _mm512_load_ps(E2M1_VALUES); }
-  TITAN_RL_INLINE void block(int64_t kb) {
-    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i dup_hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    const __m512 e0 = e4m3_scales(ps + kb * QNB), e1 = e4m3_scales(ps + kb * QNB + 16);
-    sb0 = _mm512_permutexvar_ps(dup_lo, e0);  // the scales of the low nibbles' columns, each twice
-    sa0 = _mm512_permutexvar_ps(dup_hi, e0);  // ... of the high nibbles' columns
-    sb1 = _mm512_permutexvar_ps(dup_lo, e1);
-    sa1 = _mm512_permutexvar_ps(dup_hi, e1);
+  __m512i tab0, tab1, madd[2], base[2];
+  __mmask32 nan[2];
+  Nvfp4Expand(const uint8_t* w, const uint8_t* s) : pw(w), ps(s) {
+    static const Nvfp4Table t;
+    tab0 = _mm512_load_si512(t.t);
+    tab1 = _mm512_load_si512(t.t + 32);
   }
-  TITAN_RL_INLINE __m512i values(const uint8_t* src, __m512 sb, __m512 sa) const {
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    const __m512 fb = _mm512_mul_ps(_mm512_permutexvar_ps(d, table), sb);  // index: bits 3..0
-    const __m512 fa = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table), sa);
-    return (__m512i)_mm512_cvtne2ps_pbh(fa, fb);  // exact (<= 6 significant bits); words 0..15 from fb
+  TITAN_RL_INLINE void block(int64_t kb) {
+    // the 32 columns' e4m3 scale bytes as words, each column's twice (its k-pair's two lanes)
+    const __m512i e = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ps + kb * QNB)));
+    const __m512i dup0 = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5,
+                                          4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i sixteen = _mm512_set1_epi16(16);
+    for (int z = 0; z < 2; ++z) {
+      const __m512i d = _mm512_permutexvar_epi16(z == 0 ? dup0 : _mm512_add_epi16(dup0, sixteen), e);
+      madd[z] = _mm512_slli_epi16(_mm512_and_si512(d, _mm512_set1_epi16(7)), 3);
+      base[z] = _mm512_slli_epi16(_mm512_add_epi16(_mm512_srli_epi16(d, 3), _mm512_set1_epi16(120)), 7);
+      nan[z] = _mm512_cmpeq_epi16_mask(_mm512_and_si512(d, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
+    }
+  }
+  TITAN_RL_INLINE __m512i values(__m512i c, int z) const {  // c: codes in bits 3..0 of each word
+    const __m512i idx = _mm512_ternarylogic_epi32(c, _mm512_set1_epi16(7), madd[z], 0xEA);  // (c & 7) | m << 3
+    const __m512i t = _mm512_permutex2var_epi16(tab0, idx, tab1);
+    __m512i v = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(7)), t, base[z]);
+    v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(c, 12), _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+    return _mm512_mask_mov_epi16(v, nan[z], _mm512_set1_epi16(0x7FC0));
   }
   TITAN_RL_INLINE void pair(int64_t p, __m512i& w0, __m512i& w1) const {
-    w0 = values(pw + p * QNB, sb0, sa0);
-    w1 = values(pw + p * QNB + 16, sb1, sa1);
+    // byte i of the pair: low nibble (column i / 2, k parity i % 2), high nibble column 16 + i / 2
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + p * QNB)));
+    w0 = values(b, 0);  // the high nibble sits in bits 7..4: outside the index, the test and the sign
+    w1 = values(_mm512_srli_epi16(b, 4), 1);
   }
 };
 
@@ -758,8 +778,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_prepare(at::Ten
       const c10::BFloat16* x = parts.row(n);
       const float gn = g[parts.part(n)], inv_g = 1.0f / gn;
       csp[n] = gn;
-      const int64_t c = n % QNB, cc = c % 16, sh = cc >= 8 ? 4 : 0;
-      uint8_t* blk = pk + (n / QNB) * kp * QNB + (c / 16) * 16 + (cc % 8) * 2;
+      const int64_t c = n % QNB, sh = c >= 16 ? 4 : 0;  // nvfp4_pack's layout
+      uint8_t* blk = pk + (n / QNB) * kp * QNB + (c % 16) * 2;
       for (int64_t b = 0; b < K; b += NVFP4_BLOCK) {  // nvfp4_rows' arithmetic, one block per vector
         float sb = abs_max_v(x + b, NVFP4_BLOCK) / F4_MAX / gn;
         sb = sb < E4M3_TINY ? E4M3_TINY : (sb > FP8_MAX ? FP8_MAX : sb);

@@ -144,10 +144,10 @@ class PackedQuant:
             codes = self.packed.view(nb, kp, 32, 2).permute(0, 2, 1, 3).reshape(nb * 32, 2 * kp)
             payload = codes[start:stop, :self.k].contiguous().view(torch.float8_e4m3fn)
             return payload, (self.col_scale[start:stop, None].clone(),)
-        # [b][p][half z][c8][parity] bytes, low nibble column 16z + c8, high nibble 16z + 8 + c8
-        b = self.packed.view(nb, kp, 2, 8, 2)
-        nib = torch.stack([b & 15, b >> 4], 3)  # [b, p, z, nibble, c8, parity]
-        codes = nib.permute(0, 2, 3, 4, 1, 5).reshape(nb * 32, 2 * kp)[start:stop]
+        # [b][p][c16][parity] bytes, low nibble column c16, high nibble column 16 + c16
+        b = self.packed.view(nb, kp, 16, 2)
+        nib = torch.stack([b & 15, b >> 4], 2)  # [b, p, nibble, c16, parity]
+        codes = nib.permute(0, 2, 3, 1, 4).reshape(nb * 32, 2 * kp)[start:stop]
         payload = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
         blocks = self.block_scales.permute(0, 2, 1).reshape(nb * 32, -1)[start:stop].contiguous()
         return payload, (blocks.view(torch.float8_e4m3fn), self.col_scale[start].clone())
