@@ -4,7 +4,8 @@ Exact mode rests on measured facts about the BLAS/oneDNN/ATen build, the CPU and
 thread count (docs/kernels.md), not on guarantees. So before serving or training in
 exact mode, `check_platform` runs the kernels exact mode calls on small fixed inputs and
 asserts with torch.equal that a row's bits do not depend on how many rows share the
-call: linear over row counts 1, 2, 63, 64, 65, 200 and K up to >= 1024 (odd K and N too),
+call: linear over row counts 1, 2, 63, 64, 65, 200 and K up to >= 1024 (odd K and N too), the
+quantized GEMM where it runs (bf16 on AVX512-BF16: fp8_rowwise, nvfp4, nvfp4_w4a4),
 the fp32 LM-head GEMM, rms_norm, log_softmax, silu_mul at widths that are not multiples of
 16, RoPE, attention_dense (prefix vs full, one sequence vs a batch) and attention_paged
 (decode / chunked prefill vs dense); then that each op's output is the same at 1, 2 and
@@ -78,7 +79,7 @@ def platform_choices(device: torch.device | str = "cpu") -> dict:
     from titan_rl.kernels.matmul import torch_impl as mm
 
     return {"backend": backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM,
-            "bf16_gemm": mm.BF16_GEMM, "lm_head": _head_form(), "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
+            "bf16_gemm": mm.BF16_GEMM, "lm_head": _head_form(), "quant_gemm": _quant_gemm_form(), "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
             "attention": f"compiled, fixed order per row (kernels/csrc/paged_attention.cpp), bf16 form {_attn_form()}",
             "elementwise": "compiled silu_mul; RoPE from a chunked table",
             # not the thread count itself: the self-check proves the outputs equal at 1, 2 and the current count
@@ -89,6 +90,12 @@ def _attn_form() -> str:
     from titan_rl.kernels.attention.torch_impl import ATTN_FORM
 
     return ATTN_FORM
+
+
+def _quant_gemm_form() -> str:
+    from titan_rl.kernels.quant.gemm import quant_gemm_form
+
+    return quant_gemm_form()
 
 
 def _head_form() -> str:
@@ -141,6 +148,8 @@ def _check(ops, dtype, quick, head_dim, device):
     for K, N in shapes:
         w = p.randn(N, K, scale=K**-0.5)
         p.rows("linear", lambda t: ops["linear"](t, w), p.randn(n_rows, K), rows, f"[M, {K}] x [{N}, {K}]^T", dtype)
+    for what, fn, K in _quant_probes(p, dtype, device):
+        p.rows("quant_linear", fn, p.randn(n_rows, K), rows, what, dtype)
     # LM head: fp32 logits from a weight in the model's dtype (bf16: the dpbf16 kernel where
     # the CPU has it, kernels/lm_head), then the fp32 vocabulary reduction.
     V = 2000 if quick else 4096
@@ -199,6 +208,23 @@ def _check_attention(p, ops, dtype, quick, D):
                        f"sequence {s} positions [{a}, {b}) over the paged cache differ from attention_dense", got, full[s, a:b])
 
 
+def _quant_probes(p, dtype, device) -> list:
+    """(what, fn, K) for the quantized GEMM (kernels/quant/gemm.py) where exact mode runs it
+    (bf16 on a CPU with its instructions): each recipe at an odd N, and K not a multiple of 16
+    for fp8_rowwise; [] elsewhere."""
+    from titan_rl.kernels import dispatch
+    from titan_rl.kernels.quant import gemm as qg
+
+    if dtype != torch.bfloat16 or dispatch.backend_for(device) != "torch" or not qg.uses_quant_gemm(
+            "fp8_rowwise", dtype, device):
+        return []
+    out = []
+    for recipe, K, N in (("fp8_rowwise", 203, 97), ("nvfp4", 208, 97), ("nvfp4_w4a4", 208, 40)):
+        pq = qg.PackedQuant.prepare([p.randn(N, K, scale=K**-0.5)], recipe)[0]
+        out.append((f"{recipe} [M, {K}] x [{N}, {K}]^T", lambda t, pq=pq: qg.quant_linear(t, pq), K))
+    return out
+
+
 def threads_compared() -> list[int]:
     """The torch thread counts the probe compares: 1, 2 and the current one."""
     return sorted({1, 2, torch.get_num_threads()})
@@ -231,6 +257,8 @@ def _outputs(ops, dtype, head_dim, device) -> list[tuple[str, torch.Tensor]]:
     out.append((f"rope [200, 3, {head_dim}]", ops["rope"](p.randn(200, 3, head_dim), pos, 1e6)))
     q, k, v = p.randn(3, 100, 4, head_dim), p.randn(3, 100, 2, head_dim), p.randn(3, 100, 2, head_dim)
     out.append((f"attention_dense q [3, 100, 4, {head_dim}]", ops["attention_dense"](q, k, v, head_dim**-0.5)))
+    for what, fn, K in _quant_probes(p, dtype, device):
+        out.append((f"quant_linear {what}", fn(p.randn(200, K))))
     return out
 
 

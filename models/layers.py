@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from titan_rl.kernels import gemm_weight
+from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quant_operands, uses_quant_gemm
 from titan_rl.kernels.quant.recipes import QuantLayer
 from titan_rl.models.ops import Ops
 
@@ -71,6 +72,9 @@ class Linear(nn.Module):
             self.quant_input = quantizes_activations(self.recipe)
         self.gemm_weight = None  # engine: `weight` prepared for the GEMM (prepare_for_engine)
         self.qweight = None  # engine: the weight as payload + scales (load_quantized; `weight` is then None)
+        # engine, quantized GEMM: (the PackedQuant its forward reads, its first row there, its
+        # last + 1): its own, or its share of a fused [q; k; v] / [gate; up]
+        self.packed_rows = None
 
     @property
     def out_rows(self) -> int:
@@ -99,21 +103,48 @@ class Linear(nn.Module):
     def forward(self, x):
         fn = self.ops.linear_for(self.kind)
         if self.gemm_weight is not None and fn is self.ops.linear:
+            if isinstance(self.gemm_weight, PackedQuant):  # the engine's quantized GEMM (kernels/quant/gemm.py)
+                return quant_linear(x, self.gemm_weight)
             return fn(self.operand_input(x), self.gemm_weight)
         if self.recipe is not None:
+            if fn is self.ops.linear and uses_quant_gemm(self.recipe, x.dtype, x.device):
+                return quant_linear(x, quant_operands([self]), self.recipe)
             return fn(self.operand_input(x), self.operand_weight())
         return fn(x, self.weight)
 
     # -- the engine's side -----------------------------------------------------------------
     def prepare_for_engine(self) -> list[nn.Module]:
         """Prepare the weight for the GEMM once per load (the trainer prepares it per call:
-        the same bits). A quantized weight is dequantized from the held payload here, once
-        per load, not per forward: the GEMM then reads the same dense values the trainer's
-        fake-quantized master gives, prepared (CPUs have no fp8 / fp4 GEMM; the payload
-        stays for syncs and checksums, at the cost of holding the dense copy too).
+        the same bits). A quantized weight that runs the quantized GEMM (`uses_quant_gemm`)
+        is packed from the held payload + scales (no dense copy: the GEMM reads the payload);
+        one that runs the dense form is dequantized here, once per load, into the GEMM's
+        prepared layout (the same dense values the trainer's fake-quantized master gives).
         Returns the modules whose weights this covered."""
-        self.gemm_weight = gemm_weight(self.operand_weight().detach())
+        if self.recipe is not None and uses_quant_gemm(self.recipe, *self._dtype_device()):
+            self.gemm_weight = PackedQuant.of([self])
+            self.packed_rows = (self.gemm_weight, 0, self.gemm_weight.n)
+        else:
+            self.gemm_weight = gemm_weight(self.operand_weight().detach())
         return [self]
+
+    def held_weight(self) -> torch.Tensor:
+        """The engine's weight as its forward multiplies by it (for the post-sync checksum):
+        read back from the packed bytes the quantized GEMM reads, else the held payload
+        dequantized, else the parameter."""
+        if self.packed_rows is not None:
+            from titan_rl.kernels.quant import dequantize
+
+            pq, start, stop = self.packed_rows
+            return dequantize(*pq.unpack(start, stop), self.recipe, self.qweight.dtype)
+        if self.qweight is not None:
+            return self.qweight.dense()
+        return self.weight.detach()
+
+    def _dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        """The dtype the GEMM computes in and the device, from what this module holds."""
+        if self.qweight is not None:
+            return self.qweight.dtype, self.qweight.payload.device
+        return self.weight.dtype, self.weight.device
 
     def load_quantized(self, name: str, tensor, dtype: torch.dtype) -> None:
         """Hold the weight as payload + scales (a kernels.quant.QuantizedWeight); the dense
@@ -129,6 +160,7 @@ class Linear(nn.Module):
             raise ValueError(f"checkpoint key {name!r}: a {tensor.recipe} weight of {tensor.dtype}; this engine "
                              f"runs {self.recipe} in {dtype}")
         # the engine's own copy: what it holds is never the sender's tensor
+        self.packed_rows = None  # until prepare_for_engine packs the new payload
         self.qweight = QuantizedWeight(tensor.recipe, tensor.payload.clone(), tuple(s.clone() for s in tensor.scales),
                                        tensor.dtype)
         self.weight = None
@@ -137,9 +169,16 @@ class Linear(nn.Module):
 def fused_gemm_weight(mods: list[Linear]):
     """One prepared weight for modules that read the same input (q/k/v, gate/up:
     Ops.same_input), or None where they do not fuse (TP pieces). Quantized modules fuse
-    their dequantized weights, each quantized on its own."""
+    their weights each quantized on its own: packed payloads for the quantized GEMM, else
+    the dequantized weights."""
     if not mods[0].ops.fuse_same_input or mods[0].ops.tp_leaves:
         return None
+    if mods[0].recipe is not None and uses_quant_gemm(mods[0].recipe, *mods[0]._dtype_device()):
+        pq, start = PackedQuant.of(mods), 0
+        for m in mods:
+            m.packed_rows = (pq, start, start + m.out_rows)
+            start += m.out_rows
+        return pq
     return gemm_weight(torch.cat([m.operand_weight() for m in mods]).detach())
 
 

@@ -33,6 +33,7 @@ from titan_rl.kernels.gdn import gdn_chunked, l2norm, lane_stable
 from titan_rl.kernels.indexer.torch_impl import key_rows
 from titan_rl.kernels.layernorm.torch_impl import layer_norm_eager
 from titan_rl.kernels.moe.torch_impl import topk_ties_low
+from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quant_operands, uses_quant_gemm
 from titan_rl.kernels.quant.recipes import QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
 from titan_rl.kernels.sparse_attention.torch_impl import sparse_attention_eager
@@ -117,6 +118,9 @@ class Ops:
         if not self.fuse_same_input or self.tp_leaves or any(isinstance(w, DTensor) for w in ws):
             return [m(x) for m in mods]
         if mods[0].recipe is not None:
+            if isinstance(packed, PackedQuant) or (packed is None and uses_quant_gemm(mods[0].recipe, x.dtype, x.device)):
+                y = quant_linear(x, quant_operands(mods) if packed is None else packed, mods[0].recipe)
+                return list(y.split([m.out_rows for m in mods], -1))
             x = mods[0].operand_input(x)
             if packed is None:
                 ws = [m.operand_weight() for m in mods]

@@ -101,7 +101,10 @@ def test_a_sync_that_leaves_the_engine_other_weights_stops_naming_the_tensor(tmp
         loaded = real(self, weights)
         mod = self.get_submodule(bad.removesuffix(".weight"))
         with torch.no_grad():
-            if mod.qweight is not None:  # quantized: one payload element of the engine's own copy
+            if mod.packed_rows is not None:  # the quantized GEMM reads its packed payload: its (row 0, k 0) code
+                pq, start, _ = mod.packed_rows
+                pq.packed[start // 32, 0, 2 * (start % 32)] ^= 1  # fp8 layout: [block][k-pair][column][k parity]
+            elif mod.qweight is not None:  # quantized, dense form: one payload element of the engine's own copy
                 mod.qweight.payload.view(torch.uint8).view(-1)[7] ^= 1
             else:
                 mod.weight.view(-1)[7] += 1.0

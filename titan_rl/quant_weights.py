@@ -39,12 +39,13 @@ def fake_quantized_state(state: Mapping[str, torch.Tensor], recipes: Mapping[str
 
 
 def engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights an engine's forward multiplies by: its parameters, and each held
-    QuantizedWeight dequantized, under the parameter's name."""
+    """The weights an engine's forward multiplies by: its parameters, and each held quantized
+    weight dequantized (from the packed bytes the quantized GEMM reads, where it runs; else
+    from the held QuantizedWeight), under the parameter's name."""
     out = {n: p.detach() for n, p in model.named_parameters()}
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.qweight is not None:
-            out[f"{name}.weight"] = m.qweight.dense()
+            out[f"{name}.weight"] = m.held_weight()
     return out
 
 
