@@ -39,6 +39,18 @@ def _trainer_logprobs(trainer, prompts, results):
     return out
 
 
+def assert_alone_equals_batched(llm, prompts, max_tokens=12):
+    """Greedy: the first prompt generated alone and inside the whole batch gives the same tokens
+    and the same log-prob bits."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    alone, batch = (llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
+                    for ps in (prompts[:1], prompts))
+    a, b = alone[0].outputs[0], batch[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == \
+        [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)]
+
+
 def _prompts(rng, lens, vocab=1024):
     return [torch.randint(2, vocab, (n,), generator=rng).tolist() for n in lens]
 

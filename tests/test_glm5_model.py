@@ -10,24 +10,22 @@ same scores. Folders are written by transformers' classes at odd sizes (hidden 2
 
 from __future__ import annotations
 
-import json
-import re
+from functools import partial
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
+from _folders import both_refuse, edited_copy  # noqa: E402
 from titan_rl import config  # noqa: E402
 from titan_rl.checkpoint import load_hf_folder, save_hf_folder  # noqa: E402
 from titan_rl.hf_reference import hf_model  # noqa: E402
 from titan_rl.metrics import canonical_sets, index_disagreement  # noqa: E402
 from titan_rl.parity import main as parity_main  # noqa: E402
-from titan_rl.train import main as train_main  # noqa: E402
 
 CFG = "train_configs/debug_glm5.toml"
+_both_refuse = partial(both_refuse, "train_configs/rl_debug_glm5.toml", CFG)
 # Measured max |ours - transformers| / max |logit| with transformers' selections forced: 2.3e-6 at
 # activations of ~90 after 3 layers (weights moved by N(0, 0.2)): fp32 rounding through three
 # layers of different summation orders (absorbed vs decompressed MLA, fixed vs BLAS sums)
@@ -121,33 +119,9 @@ def folder(tmp_path_factory):
     return root / "hf"
 
 
-def _both_refuse(args, pattern, capsys, tmp_path):
-    for run in (lambda: train_main(["--config", "train_configs/rl_debug_glm5.toml", "--run-dir", str(tmp_path / "run"),
-                                    *args]),
-                lambda: parity_main(["--config", CFG, *args])):
-        capsys.readouterr()
-        assert run() == 2
-        err = capsys.readouterr().err.strip()
-        assert "\n" not in err and re.search(pattern, err), err
-    assert not (tmp_path / "run" / "config.toml").exists()
-
-
 def test_auto_takes_glm5_from_config_json(folder):
     cfg = config.load(CFG, ["--model.name=auto", f"--model.checkpoint={folder}"])
     assert cfg.model.name == "glm_moe_dsa"
-
-
-def _copy(src, dst, edit_config=None, edit_tensors=None):
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    if edit_config:
-        edit_config(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(src / "model.safetensors"))
-    if edit_tensors:
-        edit_tensors(t)
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.mark.parametrize("case,edit_config,edit_tensors,pattern", [
@@ -166,7 +140,7 @@ def _copy(src, dst, edit_config=None, edit_tensors=None):
      r"indexer_types = \['full', 'full'\]: needs num_hidden_layers = 3 entries"),
 ])
 def test_bad_folders_are_refused_in_one_line(folder, tmp_path, capsys, case, edit_config, edit_tensors, pattern):
-    bad = _copy(folder, tmp_path / "case", edit_config, edit_tensors)
+    bad = edited_copy(folder, tmp_path / "case", edit_config, edit_tensors)
     _both_refuse(["--model.name=auto", f"--model.checkpoint={bad}"], pattern, capsys, tmp_path)
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from vllm import SamplingParams  # noqa: E402
 
-from _vllm_helpers import _gen, _prompts, _trainer_logprobs  # noqa: E402
+from _vllm_helpers import _gen, _prompts, _trainer_logprobs, assert_alone_equals_batched  # noqa: E402
 from titan_rl.checkpoint import load_hf_folder  # noqa: E402
 from titan_rl.dtypes import DTYPES  # noqa: E402
 from titan_rl.hf_reference import hf_model  # noqa: E402
@@ -82,12 +82,7 @@ def test_the_engine_is_our_wrapper_with_the_models_names(setup):
 def test_alone_and_in_a_batch_of_mixed_lengths(setup, rng):
     llm, trainer, *_ = setup
     prompts = _prompts(rng, [37, 3, 90, 40, 9, 61, 1, 17], vocab=V)
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    alone, batch = (llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
-                    for ps in (prompts[:1], prompts))
-    a, b = alone[0].outputs[0], batch[0].outputs[0]
-    assert a.token_ids == b.token_ids and [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == \
-        [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)]
+    assert_alone_equals_batched(llm, prompts)
     _assert_equal(trainer, prompts, _gen(llm, prompts))
 
 

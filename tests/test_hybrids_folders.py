@@ -3,20 +3,18 @@ architecture from config.json, and a bad folder or name is one line naming the k
 for both `titan_rl.train` and `titan_rl.parity`, before any work starts."""
 
 import json
-import re
+from functools import partial
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
+from _folders import both_refuse, edited_copy  # noqa: E402
 from titan_rl import config  # noqa: E402
 from titan_rl.hf_reference import hf_model, vl_model  # noqa: E402
-from titan_rl.parity import main as parity_main  # noqa: E402
-from titan_rl.train import main as train_main  # noqa: E402
 
 HYBRID = "train_configs/debug_hybrid.toml"
+_both_refuse = partial(both_refuse, "train_configs/rl_debug_qwen35.toml", HYBRID)
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +24,6 @@ def folders(tmp_path_factory):
         hf_model(arch, 0).save_pretrained(root / arch)
     vl_model(0).save_pretrained(root / "qwen3_5_vl")
     return root
-
-
-def _both_refuse(args, pattern, capsys, tmp_path):
-    for run in (lambda: train_main(["--config", "train_configs/rl_debug_qwen35.toml", "--run-dir",
-                                    str(tmp_path / "run"), *args]),
-                lambda: parity_main(["--config", HYBRID, *args])):
-        capsys.readouterr()
-        assert run() == 2
-        err = capsys.readouterr().err.strip()
-        assert "\n" not in err and re.search(pattern, err), err
-    assert not (tmp_path / "run" / "config.toml").exists()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl"])
@@ -58,27 +45,14 @@ def test_auto_without_a_checkpoint_and_unknown_names(capsys, tmp_path, folders):
                  r"architectures = \['LlamaForCausalLM'\].*'Qwen3NextForCausalLM'", capsys, tmp_path)
 
 
-def _copy(src, dst, edit_config=None, edit_tensors=None):
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    if edit_config:
-        edit_config(cfg.get("text_config", cfg))
-    (dst / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(src / "model.safetensors"))
-    if edit_tensors:
-        edit_tensors(t)
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_a_missing_gdn_tensor_is_named(folders, tmp_path, capsys):
-    case = _copy(folders / "qwen3_5", tmp_path / "case", edit_tensors=lambda t: t.pop("model.layers.1.linear_attn.A_log"))
+    case = edited_copy(folders / "qwen3_5", tmp_path / "case", edit_tensors=lambda t: t.pop("model.layers.1.linear_attn.A_log"))
     _both_refuse(["--model.name=auto", f"--model.checkpoint={case}", "--rollout.max_model_len=512"],
                  r"missing key model.layers.1.linear_attn.A_log: expected shape \[6\]", capsys, tmp_path)
 
 
 def test_layer_types_of_the_wrong_length_is_named(folders, tmp_path, capsys):
-    case = _copy(folders / "qwen3_next", tmp_path / "case",
+    case = edited_copy(folders / "qwen3_next", tmp_path / "case",
                  edit_config=lambda c: c.update(layer_types=c["layer_types"][:3]))
     _both_refuse(["--model.name=auto", f"--model.checkpoint={case}", "--rollout.max_model_len=512"],
                  r"config.json: layer_types = \['linear_attention', 'linear_attention', 'linear_attention'\]: needs "
@@ -86,7 +60,7 @@ def test_layer_types_of_the_wrong_length_is_named(folders, tmp_path, capsys):
 
 
 def test_a_folder_of_vision_weights_only_is_refused(folders, tmp_path, capsys):
-    case = _copy(folders / "qwen3_5_vl", tmp_path / "case",
+    case = edited_copy(folders / "qwen3_5_vl", tmp_path / "case",
                  edit_tensors=lambda t: [t.pop(k) for k in list(t) if not k.startswith("model.visual.")])
     _both_refuse(["--model.name=auto", f"--model.checkpoint={case}", "--rollout.max_model_len=512"],
                  r"case: only tensors of parts titan_rl does not load \(model.visual.\* \(21\)\)", capsys, tmp_path)

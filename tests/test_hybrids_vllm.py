@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _vllm_helpers import _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
+from _vllm_helpers import _gen, _prompts, _trainer_logprobs, assert_alone_equals_batched, random_checkpoint  # noqa: E402
 
 from titan_rl.dtypes import DTYPES  # noqa: E402
 from titan_rl.registry import get_architecture  # noqa: E402
@@ -58,15 +58,8 @@ def test_the_engine_is_our_hybrid_wrapper_with_the_models_names(setup):
 
 def test_alone_and_in_a_batch_of_mixed_lengths(setup, rng):
     llm, trainer, *_ = setup
-    from vllm import SamplingParams
-
     prompts = _prompts(rng, [37, 3, 150, 64, 9, 100, 1, 77], vocab=997)
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    alone, batch = (llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
-                    for ps in (prompts[:1], prompts))
-    a, b = alone[0].outputs[0], batch[0].outputs[0]
-    assert a.token_ids == b.token_ids and [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == \
-        [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)]
+    assert_alone_equals_batched(llm, prompts)
     _assert_equal(trainer, prompts, _gen(llm, prompts))
 
 
