@@ -128,14 +128,18 @@ def test_trainer_rows_are_batch_and_prefix_invariant(rng, dtype):
 
 def test_stock_mode_is_close_not_exact(rng):
     """kernels='stock' (plain torch, chunkwise gdn_chunked): the same function up to fp32
-    rounding (tolerance 1e-4 on logits of size ~1..4: measured ~1e-5)."""
+    rounding, not the same bits. Measured over 600 weight seeds, max |a - b| / max |a|:
+    median 4.7e-6, max 3.9e-5 (absolute: median 1.7e-5, max 1.4e-4; the chunkwise form's
+    triangular solve amplifies rounding on some draws, so an absolute 1e-4 failed by chance).
+    Tolerance 1e-3 relative: 25x the worst draw seen."""
     exact = build("debug_hybrid").init_weights(int(torch.randint(0, 2**31, (1,), generator=rng)), 0.05)
     stock = build("debug_hybrid", ModelOptions(kernels="stock"))
     stock.load_state_dict(exact.state_dict())
     toks = torch.randint(2, 1024, (2, 50), generator=rng)
     with torch.no_grad():
         a, b = exact(toks), stock(toks)
-    assert (a - b).abs().max() < 1e-4
+    assert not torch.equal(a, b)
+    assert (a - b).abs().max() <= 1e-3 * a.abs().max()
 
 
 def test_fresh_state_from_positions():
