@@ -6,7 +6,8 @@
 afterwards the first import only checks the sources' hash (rebuilding if they changed;
 concurrent processes, e.g. torchrun ranks, wait on cpp_extension's lock).
 
-Flags: -O3 and the machine's vector ISA for speed; -ffp-contract=off and no fast-math
+Flags: -O3 and the machine's vector ISA for speed (x86-64-v3 under TITAN_RL_CPU=avx2, in a
+build folder of its own: kernels/cpu_features.py); -ffp-contract=off and no fast-math
 so every element and lane is computed by the same IEEE operations (csrc/common.h).
 """
 
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import torch
 
+from titan_rl.kernels.cpu_features import kind, march
+
 _SRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp", "elementwise.cpp", "rowwise.cpp", "bf16_logits.cpp", "stable_sort.cpp",
            "fake_quant.cpp", "dsa.cpp", "quant_gemm.cpp")
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
+CFLAGS = ("-O3", march(), "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
 # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run on one thread.
 # The process already has torch's libgomp.so.1 loaded, which the extension then shares.
 LDFLAGS = ("-fopenmp",)
@@ -30,7 +33,7 @@ _loaded = False
 def build_dir() -> Path:
     env = os.environ.get("TITAN_RL_BUILD_DIR")
     root = Path(env) if env else _SRC.parents[1] / "build"
-    d = root / f"cpu_ext-torch{torch.__version__.replace('+', '_')}"
+    d = root / f"cpu_ext-torch{torch.__version__.replace('+', '_')}{'' if kind() == 'native' else '-' + kind()}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -7,6 +7,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from titan_rl.kernels import cpu_features  # noqa: E402
+
+cpu_features.apply()  # TITAN_RL_CPU=avx2 (tests/test_masked_cpu.py): before any test imports vLLM
+
 
 from _seeds import draw_seed, sweep_size  # noqa: E402
 from _threads import threads as thread_count  # noqa: E402

@@ -59,32 +59,44 @@ def test_bf16_exact_is_bitwise_and_stock_is_vllms_own_and_not(tmp_path, arch, se
 
 
 def test_stock_without_a_folder_is_refused_in_one_line_where_vllms_cpu_ops_cannot_run(capsys, monkeypatch):
+    from titan_rl.vllm.stock_cpu import conv_takes
+
     monkeypatch.chdir(parity.__file__.rsplit("/titan_rl/", 1)[0])
     rc = parity.main(["--config", "train_configs/debug_hybrid.toml", "--kernels", "both", "--model.name=qwen3_next",
                       "--model.flavor=debug_qwen3_next", "--model.dtype=float32"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    for part in ("model dtype 'float32'", "linear_conv_kernel_dim = 3", "(32, 16)", "hidden_size = 200"):
+    for part in ("model dtype 'float32'", "(32, 16)", "hidden_size = 200"):
         assert part in err[0], err[0]
+    # width 3: refused by the compiled conv (AVX512-BF16), taken by the torch conv (elsewhere)
+    assert ("linear_conv_kernel_dim = 3" in err[0]) == (not conv_takes(3)), err[0]
 
 
 def _vllm_gdn_takes(dk: int, dv: int, width: int) -> bool:
-    """Whether vLLM's own CPU GDN ops (its chunked delta rule and its conv) run these dims
-    (called as its GDN layer calls them: bf16 q/k/v/beta, fp32 gate and state)."""
+    """Whether vLLM's own CPU GDN path on this CPU runs these dims, called as its GDN layer
+    calls it (bf16 q/k/v/beta, fp32 gate and state): the chunked delta rule, then the conv its
+    layer picks here (the compiled op on AVX512-BF16, its torch functions elsewhere). An op the
+    loaded library does not register (AttributeError) is a path vLLM does not run here."""
     import torch
     import vllm._custom_ops as ops
+    from vllm.model_executor.layers.mamba.ops.cpu import causal_conv1d as torch_conv
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
 
     T, H, bf = 8, 2, torch.bfloat16
     q, k, v = torch.randn(1, T, H, dk, dtype=bf), torch.randn(1, T, H, dk, dtype=bf), torch.randn(1, T, H, dv, dtype=bf)
-    one = torch.tensor([0], dtype=torch.int32)
+    one, cu = torch.tensor([0], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32)
+    x, w = torch.randn(T, 64, dtype=bf).t(), torch.randn(64, width, dtype=bf)  # [channels, tokens]: its layout
     try:
         ops.chunk_gated_delta_rule_cpu(q, k, v, -torch.rand(1, T, H), torch.rand(1, T, H, dtype=bf),
-                                       torch.zeros(1, H, dk, dv), True, torch.tensor([0, T], dtype=torch.int32),
-                                       False, True, one)
-        x = torch.randn(T, 64, dtype=bf).t()  # [channels, tokens] with tokens contiguous per channel: its layout
-        ops.causal_conv1d_fwd_cpu(x, torch.randn(64, width, dtype=bf), None, torch.zeros(1, 64, width - 1, dtype=bf),
-                                  torch.tensor([0, T], dtype=torch.int32), one, torch.tensor([False]), True, False)
-    except RuntimeError:
+                                       torch.zeros(1, H, dk, dv), True, cu, False, True, one)
+        if torch.cpu._is_avx512_bf16_supported() or is_arm_bf16():
+            ops.causal_conv1d_fwd_cpu(x, w, None, torch.zeros(1, 64, width - 1, dtype=bf), cu, one,
+                                      torch.tensor([False]), True, False)
+        else:
+            state = torch.zeros(1, 64, width - 1, dtype=bf)
+            torch_conv.causal_conv1d_fn_cpu(x, w, None, state, cu, one, torch.tensor([False]), "silu")
+            torch_conv.causal_conv1d_update_cpu(torch.randn(1, 64, dtype=bf), state, w, None, "silu", one)
+    except (RuntimeError, AttributeError):
         return False
     return True
 
@@ -93,7 +105,7 @@ def test_the_stock_refusal_says_what_vllms_ops_refuse():
     from types import SimpleNamespace
 
     from titan_rl.registry import get_architecture
-    from titan_rl.vllm.engine import stock_cpu_problem
+    from titan_rl.vllm.stock_cpu import stock_cpu_problem
 
     spec = get_architecture("qwen3_5")
     for dk, dv, width in [(32, 32, 4), (64, 64, 4), (128, 128, 4), (64, 128, 4), (96, 96, 4), (64, 64, 3),

@@ -8,7 +8,7 @@ without a hub.
 Odd sizes by default (hidden 200, vocab 997, 3 value heads per key head, GDN head dims 32 / 16,
 a conv of width 3, 5 experts of 72, a shared expert of 88). `--stock-shapes` keeps the odd
 hidden / vocab / FFN widths where vLLM's own CPU ops allow them and changes what they do not
-take (titan_rl.vllm.engine.stock_cpu_problem): conv width 4, GDN head dims 64 = 64, and for
+take (titan_rl.vllm.stock_cpu.stock_cpu_problem): conv width 4, GDN head dims 64 = 64, and for
 the MoE models hidden 224 (a multiple of 32)."""
 
 import argparse

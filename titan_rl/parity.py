@@ -294,12 +294,12 @@ def print_table(results: list[dict], file=None) -> None:
 
 def _stock_fallback(cfg) -> str:
     """Why the stock column cannot be vLLM's own model ("" when it can). vLLM's CPU ops take
-    only some shapes and dtypes (titan_rl.vllm.engine.stock_cpu_problem); for a checkpoint
+    only some shapes and dtypes (titan_rl.vllm.stock_cpu.stock_cpu_problem); for a checkpoint
     folder transformers can run, its own prefill/decode pair is the stock column then
     (titan_rl.stock_pair), and without a folder the run is refused here, before any engine
     starts."""
     from titan_rl.errors import ConfigError
-    from titan_rl.vllm.engine import stock_cpu_problem
+    from titan_rl.vllm.stock_cpu import stock_cpu_problem
 
     spec = get_architecture(cfg.model.name)
     if spec.hf_architecture == spec.vllm_architecture:

@@ -1,6 +1,6 @@
 """The stock pair where vLLM's own CPU ops cannot run a folder (the real hybrids in fp32, or
 at shapes its CPU GDN / MoE kernels do not take; GLM-5 at any shape: vLLM's CPU build has no
-sparse-attention backend; titan_rl.vllm.engine.stock_cpu_problem): transformers' own model on
+sparse-attention backend; titan_rl.vllm.stock_cpu.stock_cpu_problem): transformers' own model on
 both sides. Its cached decode samples (the recurrent GDN step per token, one query row of
 sparse attention per step: the sampler's pass) and records mu from its raw logits; its forward
 over the whole sequence (the chunked GDN form, every row at once: the trainer's pass) gives

@@ -13,3 +13,7 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+from titan_rl.kernels import cpu_features  # noqa: E402
+
+cpu_features.apply()  # TITAN_RL_CPU=avx2: vLLM picks its AVX2 library and paths (before it loads them)

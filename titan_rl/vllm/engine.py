@@ -47,6 +47,7 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
                          f"allowed: {['none', *STOCK_QUANTIZATION]}")
     if kernels == "stock" and (spec.recurrent_state or spec.moe or spec.stock_cpu_refusal):
         from titan_rl.checkpoint import check_hf_folder
+        from titan_rl.vllm.stock_cpu import stock_cpu_problem
 
         problem = stock_cpu_problem(spec, check_hf_folder(folder, arch=arch), dtype)
         if problem:
@@ -115,34 +116,6 @@ def _llm_in_own_process(kwargs: dict, exact_sampling: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def stock_cpu_problem(spec, cfg, dtype: str) -> str:
-    """Why vLLM's own CPU ops cannot run the model config `cfg` ("" when they can, or off CPU), found
-    before the engine starts (their own errors come from inside a worker, mid-step):
-    the CPU GDN op (vllm/model_executor/layers/mamba/ops/cpu) takes bfloat16 only, a
-    conv of width 4, and equal key/value head dims of 64 or 128; the CPU MoE experts
-    need a hidden size divisible by 32 (layers/fused_moe/experts/cpu_moe.py). Probed against the ops themselves by tests/test_hybrids_vllm.py."""
-    if not (spec.recurrent_state or spec.moe or spec.stock_cpu_refusal):
-        return ""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return ""
-    if spec.stock_cpu_refusal:
-        return spec.stock_cpu_refusal
-    problems = []
-    if spec.recurrent_state:
-        if dtype != "bfloat16":
-            problems.append(f"model dtype {dtype!r} (its GDN op takes 'bfloat16')")
-        if cfg.linear_conv_kernel_dim != 4:
-            problems.append(f"linear_conv_kernel_dim = {cfg.linear_conv_kernel_dim} (its conv takes 4)")
-        dims = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-        if dims[0] != dims[1] or dims[0] not in (64, 128):
-            problems.append(f"linear_key_head_dim, linear_value_head_dim = {dims} (it takes equal dims of 64 or 128)")
-    if spec.moe and cfg.hidden_size % 32:
-        problems.append(f"hidden_size = {cfg.hidden_size} (its MoE experts take a multiple of 32)")
-    return "; ".join(problems)
 
 
 def _torchao_config_json(name: str) -> str:

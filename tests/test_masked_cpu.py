@@ -1,0 +1,70 @@
+"""The AVX2-only machine's paths, run on whatever machine this is (kernels/cpu_features.py).
+
+CI runs on the CPU kind of the day: an AVX512-BF16 EPYC takes the compiled dpbf16 forms, native
+bf16 GEMMs and vLLM's AVX512-BF16 library, and would never run what an AVX2-only EPYC runs (the
+fp32 forms, vLLM's AVX2 library with its torch GDN conv, which lacks ops the other registers).
+Here a child process starts under `MASKED_ENV`: the kernels built for x86-64-v3, ATen and oneDNN
+capped at AVX2, torch's AVX512 probes answering False. It checks that every CPU-dependent choice
+is the AVX2 one, then runs the tests of those choices. On an AVX2-only machine the whole suite
+already runs them natively."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_rl.kernels.cpu_features import MASKED_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not torch.cpu._is_avx512_supported(),
+                                reason="an AVX2-only CPU: the whole suite runs the AVX2 paths natively")
+
+# the tests of each CPU-dependent choice: linear / LM head / attention forms and the self-check,
+# the quantized GEMM's form, vLLM's op probes and its own GDN layer (stock column) on its AVX2
+# library, exact engine == trainer on those forms
+SUBSET = ["tests/test_kernels.py", "tests/test_quant_gemm.py", "tests/test_invariance_guard.py",
+          "tests/test_hybrids_parity.py::test_the_stock_refusal_says_what_vllms_ops_refuse",
+          "tests/test_hybrids_parity.py::test_stock_without_a_folder_is_refused_in_one_line_where_vllms_cpu_ops_cannot_run",
+          "tests/test_hybrids_parity.py::test_bf16_exact_is_bitwise_and_stock_is_vllms_own_and_not"]
+
+PROBE = """
+import json, torch
+from titan_rl.kernels import cpu_features
+cpu_features.apply()
+from titan_rl.kernels.selfcheck import platform_choices
+from titan_rl.vllm.stock_cpu import gdn_conv_path, missing_ops
+import vllm._custom_ops  # loads vLLM's library for this CPU
+libs = sorted({l.split("/")[-1] for l in open("/proc/self/maps").read().split() if "/vllm/_C" in l})
+print(json.dumps({**platform_choices("cpu"), "vllm_libraries": libs, "gdn_conv_path": gdn_conv_path(),
+                  "missing": missing_ops(["causal_conv1d_fwd_cpu", "causal_conv1d_update_cpu_vec"])}))
+"""
+
+
+def _masked(args, timeout):
+    env = {**os.environ, **MASKED_ENV}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_cpu_dependent_choice_is_the_avx2_machines():
+    out = _masked(["-c", PROBE], 600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["cpu_capability"] == "AVX2"
+    assert (got["bf16_gemm"], got["lm_head"], got["quant_gemm"]) == ("fp32", "fp32", "dense")
+    assert got["attention"].endswith("bf16 form fp32")
+    assert got["vllm_libraries"] == ["_C_AVX2.abi3.so"], got["vllm_libraries"]
+    assert got["gdn_conv_path"] == "torch"
+    # what the AVX2 EPYC showed (shared/PLATFORM.md): this library lacks the compiled conv's ops
+    # and has the torch path's; the stock refusal asks for exactly those (test_hybrids_parity.py)
+    assert got["missing"] == ["causal_conv1d_fwd_cpu"]
+
+
+def test_the_cpu_dependent_tests_pass_as_on_an_avx2_machine():
+    out = _masked(["-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET], 1500)
+    tail = out.stdout[-4000:]
+    assert out.returncode == 0, tail
+    assert " passed" in tail and " failed" not in tail, tail
