@@ -30,8 +30,11 @@ GLM = dict(vocab_size=997, hidden_size=200, intermediate_size=328, moe_intermedi
            qk_rope_head_dim=16, v_head_dim=20, n_routed_experts=5, num_experts_per_tok=2, n_shared_experts=1,
            first_k_dense_replace=1, index_topk=16, index_head_dim=24, index_n_heads=3, max_position_embeddings=4096,
            routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# Llama (SmolLM2's shape family): odd widths, 6 heads over 2 KV heads, head_dim 32 apart from hidden / heads (35)
+LLAMA = dict(vocab_size=997, hidden_size=210, intermediate_size=328, num_hidden_layers=4, num_attention_heads=6,
+             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=100_000.0, max_position_embeddings=4096)
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the real hybrids (tests and scripts iterate them)
-ALL_ARCHS = (*ARCHS, "glm_moe_dsa")
+ALL_ARCHS = (*ARCHS, "glm_moe_dsa", "llama")
 
 
 def classes(arch: str):
@@ -52,6 +55,10 @@ def classes(arch: str):
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
         return GlmMoeDsaConfig, GlmMoeDsaForCausalLM, {}
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaConfig, LlamaForCausalLM, {}
     raise ValueError(f"arch = {arch!r}: allowed: {list(ALL_ARCHS)}")
 
 
@@ -61,11 +68,11 @@ def hf_model(arch: str, seed: int, *, tied: bool = False, stock_shapes: bool = F
     by N(0, scale) noise (transformers inits routers and norm weights to zero: unmoved,
     every token would route alike and a (1 + w) norm would read the same as w)."""
     config_cls, model_cls, extra = classes(arch)
-    sizes = dict(GLM) if arch == "glm_moe_dsa" else {**ODD, **extra}
+    sizes = dict(GLM) if arch == "glm_moe_dsa" else dict(LLAMA) if arch == "llama" else {**ODD, **extra}
     if stock_shapes and arch == "glm_moe_dsa":
         raise ValueError("--stock-shapes: vLLM's CPU build has no sparse-attention backend for glm_moe_dsa at any "
                          "shape (its stock column is transformers' own pair)")
-    if stock_shapes:
+    if stock_shapes and arch != "llama":  # vLLM's CPU Llama takes the odd widths
         sizes.update(STOCK, **(STOCK_MOE if extra else {}))
     sizes.update(fields)
     torch.manual_seed(seed)

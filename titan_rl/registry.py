@@ -93,6 +93,7 @@ def _register_builtins() -> None:
     from titan_rl.models.qwen3_5.spec import SPEC as QWEN3_5
     from titan_rl.models.qwen3_5_moe.spec import SPEC as QWEN3_5_MOE
     from titan_rl.models.glm_moe_dsa.spec import SPEC as GLM_MOE_DSA
+    from titan_rl.models.llama.spec import SPEC as LLAMA
 
-    for spec in (QWEN3, QWEN3_MOE, QWEN3_HYBRID, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, GLM_MOE_DSA):
+    for spec in (QWEN3, QWEN3_MOE, QWEN3_HYBRID, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, GLM_MOE_DSA, LLAMA):
         register_architecture(spec)

@@ -10,7 +10,7 @@ from titan_rl.models.qwen3.parallelize import TP_PLAN
 
 
 def build(flavor: str | Qwen3Config = "debug", options: ModelOptions = ModelOptions(), **overrides) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(resolve_config(flavor, FLAVORS, "qwen3", **overrides), options)
+    return Qwen3ForCausalLM(resolve_config(flavor, FLAVORS, "qwen3", Qwen3Config, **overrides), options)
 
 
 SPEC = ArchitectureSpec(

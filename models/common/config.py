@@ -1,0 +1,57 @@
+"""The dense decoder's config fields, shared by the architectures built on it (Qwen3, Llama):
+each folder's config subclasses `DenseConfig` with its own defaults and its config.json keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from titan_rl.models.arch_spec import flavor_config
+
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Qwen3: yes; Llama: no)
+
+    def validate(self):
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"model.head_dim = {self.head_dim} is not supported; allowed: {list(SUPPORTED_HEAD_DIMS)} "
+                "(the sizes vLLM's CPU attention backend accepts)"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        return self
+
+    def tp_widths(self) -> dict[str, int]:
+        """The widths model.tp_leaves must divide (the column blocks and K-leaves of the
+        "col"/"row" linears), named as the error names them."""
+        return {
+            "num_attention_heads*head_dim": self.num_attention_heads * self.head_dim,
+            "num_key_value_heads*head_dim": self.num_key_value_heads * self.head_dim,
+            "intermediate_size": self.intermediate_size,
+        }
+
+
+def resolve_config(flavor, flavors: dict, arch: str, config_type: type = DenseConfig, **overrides):
+    """A flavor name or a config object (+ field overrides) -> the config to build."""
+    if isinstance(flavor, str):
+        flavor = flavor_config(flavors, flavor, arch)
+    if not isinstance(flavor, config_type):
+        raise TypeError(f"{arch} needs a {config_type.__name__}, got {type(flavor).__name__}")
+    return replace(flavor, **overrides) if overrides else flavor
