@@ -372,11 +372,14 @@ def test_validation_rechecked_at_apply_time():
         apply_corrections(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), cfg)
 
 
-def test_valid_edge_configs():
-    CorrectionConfig(tis_cap=1.0)
-    CorrectionConfig(tis_cap=float("inf"))
-    CorrectionConfig(token_band_low=1.0, token_band_high=1.0)
-    CorrectionConfig(seq_geo_low=0.0, seq_geo_high=float("inf"))
+@pytest.mark.parametrize("fields", [dict(tis_cap=1.0), dict(tis_cap=float("inf")),
+                                    dict(token_band_low=1.0, token_band_high=1.0),
+                                    dict(seq_geo_low=0.0, seq_geo_high=float("inf"))])
+def test_valid_edge_configs(fields):
+    """The edges of each range are accepted and kept as given (the invalid side of each edge is
+    refused by the tests above)."""
+    cfg = CorrectionConfig(**fields)
+    assert all(getattr(cfg, k) == v for k, v in fields.items())
 
 
 # ----------------------------------------------------------------------------- warning

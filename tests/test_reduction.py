@@ -65,19 +65,22 @@ def test_empty_and_gradient(rng):
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-def test_torch_sum_does_depend_on_threads_here():
-    """Why fixed_sum exists: torch's own sum of a large tensor splits by thread. Skipped
-    (not failed) where this machine's torch happens not to."""
+def test_torch_sum_does_depend_on_threads_here_and_fixed_sum_does_not():
+    """Why fixed_sum exists: torch's own sum of a large tensor splits by thread, fixed_sum gives
+    the same bits for the same tensors. Skipped (not failed) where this machine's torch.sum
+    happens not to split."""
     g = torch.Generator().manual_seed(0)
     differ = 0
     for _ in range(10):
         x = torch.randn(262_144, generator=g)
         with threads(1):
-            a = x.sum()
+            a, fa = x.sum(), fixed_sum(x)
         with threads(2):
             differ += not torch.equal(a, x.sum())
+            assert torch.equal(fa, fixed_sum(x))
     if not differ:
         pytest.skip("torch.sum gave the same bits at 1 and 2 threads for all 10 tensors")
+    assert differ >= 1
 
 
 @pytest.mark.parametrize("n", [1, 37, 3001])

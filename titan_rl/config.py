@@ -375,6 +375,10 @@ def model_config(cfg: Config):
         return None
 
 
+# prime-rl's default bound; each version is one copy of the parameters in the trainer's memory
+MAX_OFF_POLICY_STEPS = 8
+
+
 def _check_placement(cfg: Config, spec) -> None:
     r = cfg.rollout
     if r.placement == "colocated":
@@ -385,8 +389,10 @@ def _check_placement(cfg: Config, spec) -> None:
         return
     if r.engines < 1:
         raise ConfigError(f"rollout.engines = {r.engines}: must be >= 1")
-    if r.max_off_policy_steps < 0:
-        raise ConfigError(f"rollout.max_off_policy_steps = {r.max_off_policy_steps}: must be >= 0 (0 = synchronous)")
+    if not 0 <= r.max_off_policy_steps <= MAX_OFF_POLICY_STEPS:
+        raise ConfigError(f"rollout.max_off_policy_steps = {r.max_off_policy_steps}: allowed 0 (synchronous) to "
+                          f"{MAX_OFF_POLICY_STEPS} (the trainer keeps one copy of the parameters per version it may "
+                          "rescore at)")
     if r.engine_tp not in (1, 2):
         raise ConfigError(f"rollout.engine_tp = {r.engine_tp}: allowed 1 or 2")
     refused = {

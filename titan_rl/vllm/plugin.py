@@ -57,15 +57,28 @@ def _text_only_vl_imports() -> None:
     Qwen3-VL's module, which imports Qwen2-VL's torchvision image processor at module level
     for the vision tower. Without torchvision that module is provided by the PIL twin
     transformers ships (same `smart_resize`, a PIL-backed processor class); a text-only model
-    never builds it, and a multimodal one would fail loudly on the marker below."""
+    never gives it an image, and one that did is refused in one line (TextOnlyImageProcessor)."""
     if importlib.util.find_spec("torchvision") is not None or _QWEN2_VL_IMAGES in sys.modules:
         return
     import transformers.models.qwen2_vl as qwen2_vl
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
 
+    class TextOnlyImageProcessor(pil.Qwen2VLImageProcessorPil):
+        """Built as vLLM builds it; processing an image is refused in one line (titan_rl serves
+        these models' text part: the vision tower is not loaded)."""
+
+        def preprocess(self, *args, **kwargs):
+            from titan_rl.errors import UserError
+
+            raise UserError("image inputs reached titan_rl's text-only stand-in for Qwen2-VL's image processor: "
+                            "titan_rl serves the text model of vision-language folders (no torchvision, no vision "
+                            "tower); send token ids or text only")
+
+        __call__ = preprocess
+
     stand_in = types.ModuleType(_QWEN2_VL_IMAGES, "titan_rl stand-in: torchvision is not installed (text-only)")
     stand_in.smart_resize = pil.smart_resize
-    stand_in.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    stand_in.Qwen2VLImageProcessor = TextOnlyImageProcessor
     sys.modules[_QWEN2_VL_IMAGES] = stand_in
     # the package's lazy attribute would warn about the same fallback on every import
-    qwen2_vl.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    qwen2_vl.Qwen2VLImageProcessor = TextOnlyImageProcessor
