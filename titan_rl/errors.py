@@ -1,6 +1,6 @@
 """The errors a run can end with, and how they reach the console.
 
-A `UserError` (a bad config value, run dir, task, prompt or checkpoint folder) is the
+A `UserError` (a bad config value, run dir, task, prompt, checkpoint folder or GGUF file) is the
 user's to fix: one line on stderr, exit code 2, no traceback. A `RunStopped` is the run
 refusing to go on to keep bad values out of the weights (a non-finite loss, an engine
 that would not compute the trainer's bits): one line, exit code 1. Anything else is a
@@ -22,6 +22,11 @@ class ConfigError(UserError, ValueError):
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint folder or state dict that does not match the model it is loaded into."""
+
+
+class ConversionError(UserError, ValueError):
+    """A GGUF file the converter refuses (unreadable, not llama, a type transformers cannot
+    dequantize, tensors that do not match its metadata) or an output folder it may not write."""
 
 
 class RunStopped(Exception):
