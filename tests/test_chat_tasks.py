@@ -262,3 +262,4 @@ def test_rl_run_on_a_chat_task_has_zero_mismatch_and_logs_eval_accuracy(folders,
     assert [m["weights_step"] for m in evals] == [1, 2, 3]  # before the first RL step, then after each sync
     assert all(0.0 <= m["eval_accuracy"] <= 1.0 and m["eval_n"] == 2 for m in evals)
     assert "eval accuracy" in r.stdout and "max |dlogp| 0 over 2 rl steps" in r.stdout
+    assert "held-out accuracy" in r.stdout.strip().splitlines()[-1]  # the summary line
