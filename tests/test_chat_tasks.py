@@ -35,7 +35,7 @@ def _tokenizer(chat_template: str | None = CHATML):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", chat_template=chat_template)
@@ -242,17 +242,30 @@ def test_eval_cli_runs_and_reruns_the_same(folders, tmp_path, capsys):
                         r"\(model.checkpoint\) has no tokenizer files .*", capsys.readouterr().err.strip())
 
 
-def test_rl_run_on_a_chat_task_has_zero_mismatch_and_logs_eval_accuracy(folders, tmp_path):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run), f"--model.checkpoint={folders['chat']}",
-           "--task.name=reasoning_gym:chain_sum", "--task.kwargs={max_terms = 3, max_digits = 2, max_new_tokens = 8}",
-           "--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.sft_batch=4", "--algorithm.prompts_per_step=2",
-           "--algorithm.group_size=2", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false",
-           "--rollout.max_model_len=256", "--eval.interval=1", "--eval.n=2"]
+RL_RUN = ["--task.name=reasoning_gym:chain_sum", "--task.kwargs={max_terms = 3, max_digits = 2, max_new_tokens = 8}",
+          "--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.sft_batch=4", "--algorithm.prompts_per_step=2",
+          "--algorithm.group_size=2", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false",
+          "--rollout.max_model_len=256"]
+
+
+def _train(run_dir, folder, extra=()):
+    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), f"--model.checkpoint={folder}", *RL_RUN,
+           *extra]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(folders, tmp_path_factory):
+    run = tmp_path_factory.mktemp("chat_run")
+    return run, _train(run, folders["chat"], ["--eval.interval=1", "--eval.n=2"])
+
+
+def test_rl_run_on_a_chat_task_has_zero_mismatch_and_logs_eval_accuracy(evaluated_run):
     from titan_rl.run_dir import read_metrics
 
+    run, r = evaluated_run
     lines = read_metrics(str(run))
     assert [(m["step"], m["phase"]) for m in lines] == [(1, "sft"), (2, "eval"), (2, "rl"), (2, "eval"), (3, "rl"),
                                                         (3, "eval")]
@@ -263,3 +276,16 @@ def test_rl_run_on_a_chat_task_has_zero_mismatch_and_logs_eval_accuracy(folders,
     assert all(0.0 <= m["eval_accuracy"] <= 1.0 and m["eval_n"] == 2 for m in evals)
     assert "eval accuracy" in r.stdout and "max |dlogp| 0 over 2 rl steps" in r.stdout
     assert "held-out accuracy" in r.stdout.strip().splitlines()[-1]  # the summary line
+    assert r.stderr.strip() == "", r.stderr
+
+
+@pytest.mark.slow
+def test_evaluating_does_not_change_the_run(evaluated_run, folders, tmp_path):
+    """Greedy evaluations through the run's engine between steps leave its rollouts and
+    updates as they were: the same lines as a run without [eval], wall clock aside."""
+    from titan_rl.run_dir import comparable, read_metrics
+
+    run, _ = evaluated_run
+    _train(tmp_path, folders["chat"])
+    with_eval = [comparable(m) for m in read_metrics(str(run)) if m["phase"] != "eval"]
+    assert with_eval == [comparable(m) for m in read_metrics(str(tmp_path))]
