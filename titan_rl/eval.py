@@ -74,7 +74,8 @@ def _checked(args) -> tuple:
                         f"model in {args.checkpoint!r} has vocab_size {vocab}")
     new = args.max_new_tokens or task.max_new_tokens
     limit = folder_cfg.get("max_position_embeddings") or 1 << 20
-    examples = check_prompts(task, args.task, args.n, eval_seed(args.seed), f"--seed {args.seed}", new, vocab, limit)
+    examples = check_prompts(task, args.task, args.n, eval_seed(args.seed), f"--seed {args.seed}", new, vocab, limit,
+                             limit_key="the model's max_position_embeddings")
     max_model_len = max(len(ex.prompt_ids) for ex in examples) + new
     return arch, task, kwargs, dtype, new, examples, max_model_len
 

@@ -137,10 +137,12 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
     if tok is None or not isinstance(getattr(tok, "vocab_size", None), int):
         raise UserError(f"task {name!r} has no tokenizer with an int vocab_size")
     if tok.vocab_size > vocab_size:
-        chat = getattr(task, "needs_checkpoint", False)
-        whose = f"the tokenizer in model.checkpoint = {cfg.model.checkpoint!r}" if chat else "its tokenizer"
+        whose = "its tokenizer"
+        if getattr(task, "needs_checkpoint", False):
+            whose = (f"the tokenizer in model.checkpoint = {cfg.model.checkpoint!r}; the model and its tokenizer must "
+                     f"come from one folder")
         raise UserError(f"task {name!r} needs {tok.vocab_size} token ids ({whose}); the model's vocab_size is "
-                        f"{vocab_size}: the tokenizer and the model must come from one folder")
+                        f"{vocab_size}")
     draws = [(f"RL step {step}", a.prompts_per_step, prompt_seed(cfg.training.seed, step), new)
              for step in range(a.sft_steps + 1, cfg.training.steps + 1)]
     if cfg.eval.interval > 0:
@@ -163,9 +165,10 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
 
 
 def check_prompts(task, name: str, n: int, seed: int, where: str, new_tokens: int, vocab_size: int,
-                  max_model_len: int) -> list:
+                  max_model_len: int, limit_key: str = "rollout.max_model_len") -> list:
     """task.sample(n, seed), each prompt checked against the model's vocabulary and the
-    engine's max_model_len with `new_tokens` to generate; returns the examples."""
+    engine's max_model_len (the setting `limit_key`) with `new_tokens` to generate; returns
+    the examples."""
     try:
         examples = task.sample(n, seed=seed)
     except Exception as e:
@@ -182,8 +185,8 @@ def check_prompts(task, name: str, n: int, seed: int, where: str, new_tokens: in
             text = getattr(ex, "prompt_text", "")
             raise UserError(
                 f"task {name!r}: example {i} at {where} ({text!r:.200}) has a {len(ids)}-token prompt; with "
-                f"max_new_tokens = {new_tokens} it needs {need} positions > rollout.max_model_len = {max_model_len}: "
-                f"raise rollout.max_model_len to >= {need} or shorten the prompts")
+                f"max_new_tokens = {new_tokens} it needs {need} positions > {limit_key} = {max_model_len}: "
+                f"raise {limit_key} to >= {need} or shorten the prompts")
     return examples
 
 
