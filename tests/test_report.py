@@ -79,6 +79,21 @@ def test_run_folder_all_zero_says_bitwise_equal(tmp_path):
     assert "Bitwise equal: at all 22 RL steps" in text
 
 
+def test_run_folder_with_held_out_evaluations(tmp_path):
+    """[eval] lines ("phase": "eval", titan_rl.rl.evaluation): one chart over the weights'
+    step, the first and last accuracy in the summary, not counted as steps."""
+    d = _run_dir(tmp_path)
+    path = d / "metrics.jsonl"
+    evals = [{"step": s + 1 if s == 2 else s, "phase": "eval", "weights_step": s, "eval_accuracy": a,
+              "eval_reward_mean": a, "eval_response_length": 5.0, "eval_n": 8} for s, a in ((2, 0.25), (12, 0.5))]
+    path.write_text(path.read_text() + "".join(json.dumps(r) + "\n" for r in evals))
+    assert report.main([str(d)]) == 0
+    text = (d / "report.html").read_text()
+    assert "Held-out evaluation (greedy; [eval])" in text and text.count("<svg") == 9
+    assert "<td>steps</td><td>24</td>" in text
+    assert "weights after step 2</td><td>0.25</td>" in text and "weights after step 12</td><td>0.5</td>" in text
+
+
 def test_parity_without_detail(tmp_path):
     p = _parity(tmp_path, detail=False)
     assert report.main([str(p)]) == 0

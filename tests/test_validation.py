@@ -113,7 +113,7 @@ def test_task_that_cannot_be_imported_fails_in_seconds(tmp_path):
 
 def test_prompt_source_is_called_dry_at_start(tmp_path):
     r = _cli(["--run-dir", str(tmp_path / "run"), '--task.name="tests._bad_tasks:BrokenSampleTask"'])
-    _one_line_error(r, r"task 'tests._bad_tasks:BrokenSampleTask': sample\(8, seed=\d+\) for step \d+ raised "
+    _one_line_error(r, r"task 'tests._bad_tasks:BrokenSampleTask': sample\(8, seed=\d+\) for RL step \d+ raised "
                        r"FileNotFoundError: prompts.jsonl")
     assert r.seconds < 30 and not (tmp_path / "run" / "metrics.jsonl").exists()
 

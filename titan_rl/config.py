@@ -1,7 +1,7 @@
 """TOML -> typed config dataclasses, strictly.
 
 Every section is a dataclass: titan_rl's own (model, sampling, rollout, parity, algorithm,
-correction, task, quantization) and TorchTitan's own Config classes under their TorchTitan names
+correction, task, eval, quantization) and TorchTitan's own Config classes under their TorchTitan names
 (training, optimizer, lr_scheduler, parallelism, checkpoint, metrics, ...; see
 titan_rl.titan.sections). An unknown section or key, a wrong type, a value outside its
 allowed set (a Literal type) or a key titan_rl refuses is a ConfigError
@@ -120,8 +120,20 @@ class AlgorithmConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "digit_reverse"  # a built-in short name or "package.module:Class"
+    # a built-in short name, "reasoning_gym:<dataset>", "jsonl:<path>", "parquet:<path>" or
+    # "package.module:Class" (docs/tasks.md); chat and library tasks use model.checkpoint's tokenizer
+    name: str = "digit_reverse"
     kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class EvalConfig:
+    # greedy accuracy on held-out questions (titan_rl.rl.evaluation), logged in metrics.jsonl
+    # before the first RL step and after every `interval`-th RL step's weight sync; 0 = off
+    interval: int = 0
+    n: int = 32  # questions: task.sample(n, the held-out seed of `seed`), the same at every evaluation
+    seed: int = 0  # as `python -m titan_rl.eval --seed`: both draw the same questions
+    max_new_tokens: int = 0  # 0 = the task's max_new_tokens
 
 
 @dataclass
@@ -155,6 +167,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
 
     def model_options(self) -> ModelOptions:
@@ -472,6 +485,10 @@ _RANGES = [
     ("algorithm.sft_steps", lambda v: v >= 0, ">= 0"),
     ("algorithm.clip_eps", lambda v: v >= 0, ">= 0 (0 = no clipping)"),
     ("model.init_std", lambda v: v > 0, "> 0"),
+    ("eval.interval", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("eval.n", lambda v: v >= 1, ">= 1"),
+    ("eval.seed", lambda v: v >= 0, ">= 0"),
+    ("eval.max_new_tokens", lambda v: v >= 0, ">= 0 (0 = the task's)"),
     ("sampling.max_tokens", lambda v: v >= 1, ">= 1"),
     ("rollout.kv_cache_mib", lambda v: v >= 1, ">= 1"),
     ("rollout.max_num_seqs", lambda v: v >= 1, ">= 1"),

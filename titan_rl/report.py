@@ -104,8 +104,9 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
     dl = [(r["max_abs_dlogp"], r["step"]) for r in rl if finite(r.get("max_abs_dlogp"))]
     rewards = [r.get("reward_mean") for r in rl if finite(r.get("reward_mean"))]
     bw = [r["bitwise_fraction"] for r in rl if finite(r.get("bitwise_fraction"))]
+    evals = [r for r in rows if r.get("phase") == "eval" and finite(r.get("eval_accuracy"))]
     out: list[tuple[str, object]] = [
-        ("steps", len(rows)),
+        ("steps", sum(1 for r in rows if r.get("phase") != "eval")),
         ("last step", max((r.get("step", 0) for r in rows), default=None)),
         ("SFT steps", sum(1 for r in rows if r.get("phase") == "sft")),
         ("RL steps", len(rl)),
@@ -118,6 +119,10 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
         ("mean k3_mean", _mean([r.get("k3_mean") for r in rl])),
         (f"reward_mean, first {min(10, len(rewards))} RL steps", _mean(rewards[:10])),
         (f"reward_mean, last {min(10, len(rewards))} RL steps", _mean(rewards[-10:])),
+        *([(f"eval_accuracy (held-out, greedy), weights after step {evals[0].get('weights_step')}",
+             evals[0]["eval_accuracy"]),
+           (f"eval_accuracy (held-out, greedy), weights after step {evals[-1].get('weights_step')}",
+            evals[-1]["eval_accuracy"])] if evals else []),
         ("mean rollout tokens/s", _mean([r.get("rollout_tokens_per_s") for r in rl])),
         ("mean train tokens/s", _mean([r.get("train_tokens_per_s") for r in rows])),
     ]
@@ -205,6 +210,11 @@ def run_report(run_dir: str, rows: list[dict]) -> str:
                       "Sparse attention: index disagreement per step (sampler's key sets vs the trainer indexer's)",
                       "step", "share of (position, layer) sets", log=True, zero_means_equal=True)]
           if any("index_disagreement" in r for r in rl) else []),
+        *([line_chart([(k, [(r["weights_step"], r[k]) for r in rows if r.get("phase") == "eval" and k in r])
+                       for k in ("eval_accuracy", "eval_reward_mean")],
+                      "Held-out evaluation (greedy; [eval])", "weights after step", "share of questions / mean reward",
+                      ylim=(0.0, 1.0))]
+          if any(r.get("phase") == "eval" for r in rows) else []),
         line_chart([("SFT", _pts(rows, "loss", "sft")), ("RL", _pts(rows, "loss", "rl"))],
                    "Loss (SFT warm-up, then RL policy gradient)", "step", "loss"),
         line_chart([("response_length", _pts(rows, "response_length", "rl"))],

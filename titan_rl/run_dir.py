@@ -56,6 +56,10 @@ def console_line(m: dict, steps: int) -> str:
     """A step's line on the console (rank 0)."""
     if m["phase"] == "sft":
         return f"step {m['step']:4d}/{steps} sft  loss {m['loss']:.4f}"
+    if m["phase"] == "eval":
+        return (f"step {m['step']:4d}/{steps} eval accuracy {m['eval_accuracy']:.3f}  reward "
+                f"{m['eval_reward_mean']:.3f}  len {m['eval_response_length']:.1f}  ({m['eval_n']} held-out "
+                f"questions, weights after step {m['weights_step']})")
     return (f"step {m['step']:4d}/{steps} rl   reward {m['reward_mean']:.3f}  len {m['response_length']:.1f}  "
             f"loss {m['loss']:+.4f}  max|dlogp| {m['max_abs_dlogp']:.3g}  bitwise {m['bitwise_fraction']:.3f}  "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s")

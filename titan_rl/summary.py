@@ -24,6 +24,11 @@ def summary_line(cfg, run_dir: str, seconds: float | None = None) -> str | None:
         n = min(10, len(rewards))
         first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
         parts.append(f"reward {first:.2f} (first {n} rl) -> {last:.2f} (last {n})")
+    evals = [m for m in ms if m.get("phase") == "eval" and "eval_accuracy" in m]
+    if evals:
+        first, last = evals[0], evals[-1]
+        parts.append(f"held-out accuracy {first['eval_accuracy']:.2f} (weights of step {first['weights_step']}) -> "
+                     f"{last['eval_accuracy']:.2f} (step {last['weights_step']})")
     dl = [m["max_abs_dlogp"] for m in rl if "max_abs_dlogp" in m]
     if dl:
         parts.append(f"max |dlogp| {max(dl):.3g} over {len(dl)} rl steps")

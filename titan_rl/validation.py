@@ -99,19 +99,27 @@ def write_run_config(cfg: config_mod.Config, run_dir: str) -> None:
 
 # -- task -----------------------------------------------------------------------------
 def load_task_checked(cfg: config_mod.Config):
-    from titan_rl.tasks import BUILTIN_TASKS, load_task
+    return load_named_task(cfg.task.name, cfg.task.kwargs, cfg.model.checkpoint or None)
 
-    name = cfg.task.name
+
+def load_named_task(name: str, kwargs: dict, checkpoint: str | None, keys=("task.name", "task.kwargs")):
+    """The task `name` with `kwargs` (chat and library tasks: on `checkpoint`'s tokenizer),
+    or a one-line UserError naming the keys (`keys`: how the caller's user spelt them)."""
+    from titan_rl.tasks import BUILTIN_TASKS, LIBRARY_TASKS, load_task
+
     try:
-        return load_task(name, **cfg.task.kwargs)
+        return load_task(name, checkpoint=checkpoint, **kwargs)
     except ValueError as e:
         hint = ""
         if ":" not in name:
             m = difflib.get_close_matches(name, list(BUILTIN_TASKS), n=1, cutoff=0.5)
             hint = f"; did you mean {m[0]!r}?" if m else ""
-        raise UserError(f"task.name = {name!r}: {one_line(e).removeprefix('load_task: ')}{hint}") from None
+        elif name.partition(":")[0] not in LIBRARY_TASKS:
+            m = difflib.get_close_matches(name.partition(":")[0], list(LIBRARY_TASKS), n=1, cutoff=0.6)
+            hint = f"; did you mean '{m[0]}:{name.partition(':')[2]}'?" if m else ""
+        raise UserError(f"{keys[0]} = {name!r}: {one_line(e).removeprefix('load_task: ')}{hint}") from None
     except Exception as e:  # the task's own constructor failed: the user's code, not ours
-        raise UserError(f"task.name = {name!r}: constructing it with task.kwargs = {cfg.task.kwargs!r} "
+        raise UserError(f"{keys[0]} = {name!r}: constructing it with {keys[1]} = {kwargs!r} "
                         f"raised {type(e).__name__}: {e}") from None
 
 
@@ -129,28 +137,21 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
     if tok is None or not isinstance(getattr(tok, "vocab_size", None), int):
         raise UserError(f"task {name!r} has no tokenizer with an int vocab_size")
     if tok.vocab_size > vocab_size:
-        raise UserError(f"task {name!r} needs {tok.vocab_size} token ids; the model's vocab_size is {vocab_size}")
-    for step in range(a.sft_steps + 1, cfg.training.steps + 1):
-        seed = prompt_seed(cfg.training.seed, step)
-        try:
-            examples = task.sample(a.prompts_per_step, seed=seed)
-        except Exception as e:
-            raise UserError(f"task {name!r}: sample({a.prompts_per_step}, seed={seed}) for step {step} raised "
-                            f"{type(e).__name__}: {e}") from None
-        if len(examples) != a.prompts_per_step:
-            raise UserError(f"task {name!r}: sample({a.prompts_per_step}, ...) returned {len(examples)} examples")
-        for i, ex in enumerate(examples):
-            ids = getattr(ex, "prompt_ids", None)
-            if not ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-                raise UserError(f"task {name!r}: example {i} at step {step} has prompt_ids {ids!r}: need a "
-                                f"non-empty list of ints in [0, {vocab_size})")
-            need = len(ids) + new
-            if need > r.max_model_len:
-                text = getattr(ex, "prompt_text", "")
-                raise UserError(
-                    f"task {name!r}: example {i} at RL step {step} ({text!r}) has a {len(ids)}-token prompt; "
-                    f"with the task's max_new_tokens = {new} it needs {need} positions > rollout.max_model_len "
-                    f"= {r.max_model_len}: raise rollout.max_model_len to >= {need} or shorten the prompts")
+        whose = "its tokenizer"
+        if getattr(task, "needs_checkpoint", False):
+            whose = (f"the tokenizer in model.checkpoint = {cfg.model.checkpoint!r}; the model and its tokenizer must "
+                     f"come from one folder")
+        raise UserError(f"task {name!r} needs {tok.vocab_size} token ids ({whose}); the model's vocab_size is "
+                        f"{vocab_size}")
+    draws = [(f"RL step {step}", a.prompts_per_step, prompt_seed(cfg.training.seed, step), new)
+             for step in range(a.sft_steps + 1, cfg.training.steps + 1)]
+    if cfg.eval.interval > 0:
+        from titan_rl.tasks import eval_seed
+
+        draws.append(("the evaluation (eval.n, eval.seed)", cfg.eval.n, eval_seed(cfg.eval.seed),
+                      cfg.eval.max_new_tokens or new))
+    for where, n, seed, new_tokens in draws:
+        check_prompts(task, name, n, seed, where, new_tokens, vocab_size, r.max_model_len)
     if a.sft_steps > 0:
         what = f"task {name!r}: sft_pairs(1, ...) (the supervised warm-up, algorithm.sft_steps = {a.sft_steps})"
         try:
@@ -161,6 +162,32 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
               and all(isinstance(t, int) for t in list(pairs[0][0]) + list(pairs[0][1])))
         if not ok:
             raise UserError(f"{what} returned {pairs!r:.200}: need one (prompt_ids, target_ids) pair of int lists")
+
+
+def check_prompts(task, name: str, n: int, seed: int, where: str, new_tokens: int, vocab_size: int,
+                  max_model_len: int, limit_key: str = "rollout.max_model_len") -> list:
+    """task.sample(n, seed), each prompt checked against the model's vocabulary and the
+    engine's max_model_len (the setting `limit_key`) with `new_tokens` to generate; returns
+    the examples."""
+    try:
+        examples = task.sample(n, seed=seed)
+    except Exception as e:
+        raise UserError(f"task {name!r}: sample({n}, seed={seed}) for {where} raised {type(e).__name__}: {e}") from None
+    if len(examples) != n:
+        raise UserError(f"task {name!r}: sample({n}, ...) returned {len(examples)} examples")
+    for i, ex in enumerate(examples):
+        ids = getattr(ex, "prompt_ids", None)
+        if not ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            raise UserError(f"task {name!r}: example {i} at {where} has prompt_ids {ids!r:.300}: need a "
+                            f"non-empty list of ints in [0, {vocab_size})")
+        need = len(ids) + new_tokens
+        if need > max_model_len:
+            text = getattr(ex, "prompt_text", "")
+            raise UserError(
+                f"task {name!r}: example {i} at {where} ({text!r:.200}) has a {len(ids)}-token prompt; with "
+                f"max_new_tokens = {new_tokens} it needs {need} positions > {limit_key} = {max_model_len}: "
+                f"raise {limit_key} to >= {need} or shorten the prompts")
+    return examples
 
 
 # -- model / checkpoint -----------------------------------------------------------------

@@ -60,6 +60,11 @@ class EngineLink:
         the sparse-attention key positions each indexer selected."""
         raise NotImplementedError
 
+    def generate(self, step: int, requests: list[dict], params: list) -> list[list[int]]:
+        """The tokens the engine generates for `requests` at its current weights, nothing
+        recorded beyond them (an evaluation, not a rollout), during training step `step`."""
+        return self.sample(requests, params, kept_sets=False, routes=False)[0].tokens
+
     def sync(self, step: int) -> bool | None:
         """The trainer's current weights into the engine; the checksum's verdict (None
         where the engine's parameters are not ours to compare: the stock engine)."""

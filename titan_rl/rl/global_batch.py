@@ -1,5 +1,6 @@
 """The global batch: a step's prompts (`algorithm.prompts_per_step`) and supervised pairs
-(`algorithm.sft_batch`) count the whole step, over every rank, and are drawn from seeds of
+(`algorithm.sft_batch`), and the held-out questions of an evaluation (`eval.n`), count the
+whole step, over every rank, and are drawn from seeds of
 (seed, step) alone (titan_rl.rl.seeds). Data-parallel rank r of D takes the r-th of D
 equal, contiguous shares; the TP ranks of one data-parallel group take the same share
 (their collectives are one computation). The shares of ranks 0..D-1, concatenated, are
@@ -35,11 +36,13 @@ def check_global_batch(cfg: Config, world: int) -> None:
     tp = cfg.parallelism.tensor_parallel_degree
     dp = data_parallel_degree(world, tp)
     a = cfg.algorithm
-    keys = [("prompts_per_step", a.prompts_per_step)] + ([("sft_batch", a.sft_batch)] if a.sft_steps > 0 else [])
+    keys = [("algorithm.prompts_per_step", a.prompts_per_step)] + (
+        [("algorithm.sft_batch", a.sft_batch)] if a.sft_steps > 0 else []) + (
+        [("eval.n", cfg.eval.n)] if cfg.eval.interval > 0 else [])
     for key, n in keys:
         if n % dp:
             raise ConfigError(
-                f"algorithm.{key} = {n} must be divisible by the data-parallel degree {dp} (WORLD_SIZE = {world} / "
+                f"{key} = {n} must be divisible by the data-parallel degree {dp} (WORLD_SIZE = {world} / "
                 f"parallelism.tensor_parallel_degree = {tp}): it counts the whole step, and each data-parallel "
                 f"rank takes an equal share")
     batch_plan.check_layout(cfg, dp, world)

@@ -199,6 +199,9 @@ class SeparateEngines(EngineLink):
     def sample(self, requests, params, *, kept_sets, routes, indices=False):
         raise NotImplementedError("SeparateEngines: use start(step, ...) and finish(...)")
 
+    def generate(self, step, requests, params):
+        return self.finish(self.start(step, requests, params), kept_sets=False, routes=False)[0].tokens
+
     def _generate(self, step: int, shares: list[tuple]) -> tuple[list[list], float]:
         """Rank 0's rollout thread: the shares' requests in one global order, cut into one
         contiguous piece per engine, generated concurrently; outputs regrouped per share."""

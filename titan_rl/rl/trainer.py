@@ -35,6 +35,7 @@ from titan_rl.kernels.reduction import fixed_sum
 from titan_rl.registry import get_architecture
 from titan_rl.rl.batch_plan import plan_for
 from titan_rl.rl.engine_link import ColocatedEngine
+from titan_rl.rl.evaluation import RunEvaluation
 from titan_rl.rl.separate_engines import SeparateEngines
 from titan_rl.rl.global_batch import rank_share
 from titan_rl.rl.ranks import Ranks
@@ -51,13 +52,15 @@ if TYPE_CHECKING:
 class RLTrainer(Trainer):
     def __init__(self, config: Trainer.Config, rl: Config, run_dir: str, task=None, config_changes=None):
         self.rl, self.run_dir = rl, run_dir
-        self.task = task if task is not None else load_task(rl.task.name, **rl.task.kwargs)
+        self.task = task if task is not None else load_task(rl.task.name, checkpoint=rl.model.checkpoint or None,
+                                                            **rl.task.kwargs)
         self.config_changes = config_changes or {}
         self._skipped = False
         super().__init__(config)
         # the TP ranks of one data-parallel replica take the same share of the global batch
         self.ranks = Ranks.of(self.parallel_dims)
         self.plan = plan_for(rl, self.model, self.ranks)
+        self.evaluation = RunEvaluation(rl, self.task, self.ranks) if rl.eval.interval else None
         compute_dtype = DTYPES[self.config.training.mixed_precision_param]
         contract.check_ranks(contract.contract_of(self.model, dtype=compute_dtype, gradient_leaves=self.plan.reduction))
         link = SeparateEngines if rl.rollout.placement == "separate" else ColocatedEngine
@@ -96,6 +99,8 @@ class RLTrainer(Trainer):
         self.model.train()
         self._set_phase_lr()
         lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
+        if self.evaluation and self.evaluation.due_before(self.step):  # the weights RL starts from
+            self._log(self.evaluation.run(self.engine, self.step, weights_step=self.step - 1))
         m = self._sft_step() if self.step <= self.rl.algorithm.sft_steps else self._rl_step()
         self.lr_schedulers.step()
         m.update(step=self.step, lr=lr, step_seconds=time.perf_counter() - t0)
@@ -108,6 +113,8 @@ class RLTrainer(Trainer):
                 print(f"WARNING: resumed at step {self.step} with changed config (allowed): {listed}", flush=True)
             self.config_changes = {}
         self._log(m)
+        if self.evaluation and self.evaluation.due_after(self.step):  # the engine holds this step's weights
+            self._log(self.evaluation.run(self.engine, self.step, weights_step=self.step))
 
     def _sft_step(self) -> dict:
         a, tok = self.rl.algorithm, self.task.tokenizer
@@ -348,13 +355,15 @@ class RLTrainer(Trainer):
         share = rank_share(a.prompts_per_step, self.ranks.dp_degree, self.ranks.dp_rank)
         examples = self.task.sample(a.prompts_per_step, seed=prompt_seed(seed, step))[share.start:share.stop]
         seeds = iter(completion_seeds(seed, step, share, a.group_size))
+        tok = self.task.tokenizer
+        stop = list(getattr(tok, "stop_ids", [tok.eos_id]))  # a chat model's end of turn as well as EOS
         reqs, params = [], []
         for ex in examples:
             for _ in range(a.group_size):
                 reqs.append({"prompt_token_ids": list(ex.prompt_ids)})
                 params.append(SamplingParams(
                     temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
-                    stop_token_ids=[self.task.tokenizer.eos_id], logprobs=0, seed=next(seeds)))
+                    stop_token_ids=stop, logprobs=0, seed=next(seeds)))
         return examples, reqs, params
 
     def _rewards(self, examples: list, tokens: list[list[int]]) -> list[float]:
@@ -427,5 +436,6 @@ class RLTrainer(Trainer):
         print(console_line(m, self.rl.training.steps), flush=True)
         logger = getattr(self.metrics_processor, "logger", None)
         if logger is not None:
-            logger.log({k: float(v) for k, v in m.items() if isinstance(v, (int, float))}, m["step"])
+            step = m.get("weights_step", m["step"])  # an evaluation: of the weights after that step
+            logger.log({k: float(v) for k, v in m.items() if isinstance(v, (int, float))}, step)
 

@@ -1,17 +1,29 @@
-"""Built-in verifiable RL tasks (no downloads): tokenizer, examples, rewards, loader."""
+"""Verifiable RL tasks: built-in ones (no downloads, their own tokenizer), chat tasks on the
+checkpoint's tokenizer and template, tasks from libraries; rewards, held-out seeds, loader."""
 
-from .base import BUILTIN_TASKS, CharTokenizer, Example, Task, check_reward, load_task, match_reward
+from .base import (
+    BUILTIN_TASKS, HELD_OUT_SEEDS, LIBRARY_TASKS, CharTokenizer, Example, Task, check_reward, eval_seed, is_held_out,
+    load_task, match_reward,
+)
+from .chat import ChatTask, ChatTokenizer, extract_answer
 from .digits import DIGITS_ALPHABET, DigitAddTask, DigitReverseTask
 
 __all__ = [
     "BUILTIN_TASKS",
+    "ChatTask",
+    "ChatTokenizer",
     "CharTokenizer",
     "DIGITS_ALPHABET",
     "DigitAddTask",
     "DigitReverseTask",
     "Example",
+    "HELD_OUT_SEEDS",
+    "LIBRARY_TASKS",
     "Task",
     "check_reward",
+    "eval_seed",
+    "extract_answer",
+    "is_held_out",
     "load_task",
     "match_reward",
 ]

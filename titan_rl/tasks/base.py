@@ -1,8 +1,10 @@
-"""Verifiable RL tasks: a character-level tokenizer, examples, rewards, and a loader.
+"""Verifiable RL tasks: a character-level tokenizer, examples, rewards, held-out seeds, and a loader.
 
-A task needs no download: it generates its own prompts from a seed, owns a tiny
+A built-in task needs no download: it generates its own prompts from a seed, owns a tiny
 character-level tokenizer whose special ids match the models' config.json (BOS 0, EOS 1),
-and scores a sampled completion (token ids) with a reward in [0, 1].
+and scores a sampled completion (token ids) with a reward in [0, 1]. Chat and library
+tasks (titan_rl.tasks.chat, titan_rl.tasks.library) use the checkpoint's own tokenizer
+instead; docs/tasks.md describes both.
 """
 
 from __future__ import annotations
@@ -25,6 +27,30 @@ BUILTIN_TASKS: dict[str, str] = {
     "digit_reverse": "titan_rl.tasks.digits:DigitReverseTask",
     "digit_add": "titan_rl.tasks.digits:DigitAddTask",
 }
+# "<prefix>:<argument>" names of tasks built from a library or a data file: the class, and
+# the constructor keyword the argument goes to. These prefixes are never read as modules.
+LIBRARY_TASKS: dict[str, tuple[str, str]] = {
+    "reasoning_gym": ("titan_rl.tasks.library:ReasoningGymTask", "dataset"),
+    "jsonl": ("titan_rl.tasks.library:JsonlTask", "path"),
+    "parquet": ("titan_rl.tasks.library:ParquetTask", "path"),
+}
+
+# Seeds at or above HELD_OUT_SEEDS draw held-out questions (evaluation); training draws
+# from seeds below it (titan_rl.rl.seeds keeps every training seed under 2**31 - 1). A task
+# with a fixed set of rows answers the two ranges from disjoint rows; a procedural one
+# from disjoint generator seeds.
+HELD_OUT_SEEDS = 2**31
+
+
+def eval_seed(seed: int) -> int:
+    """The task seed of evaluation seed `seed` (`[eval] seed`, `titan_rl.eval --seed`)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"evaluation seed must be an int >= 0, got {seed!r}")
+    return HELD_OUT_SEEDS + seed
+
+
+def is_held_out(seed: int) -> bool:
+    return seed >= HELD_OUT_SEEDS
 
 
 class CharTokenizer:
@@ -101,11 +127,14 @@ class CharTokenizer:
 
 @dataclass
 class Example:
-    """One prompt. prompt_ids starts with BOS; prompt_text is the prompt without BOS."""
+    """One prompt. prompt_ids starts with BOS (or whatever the chat template renders);
+    prompt_text is the prompt without BOS; meta is what the task's reward needs besides the
+    answer (a library's own record of the question)."""
 
     prompt_ids: list[int]
     answer: str
     prompt_text: str
+    meta: object = None
 
 
 def match_reward(answer: str, completion_ids: Iterable[int], tokenizer: CharTokenizer) -> float:
@@ -135,6 +164,8 @@ class Task:
     name: str = "task"
     tokenizer: CharTokenizer
     max_new_tokens: int
+    # True: the constructor takes `checkpoint`, the model folder whose tokenizer it uses
+    needs_checkpoint: bool = False
 
     def sample(self, n: int, seed: int) -> list[Example]:
         """n examples, a pure function of (n, seed); sample(n, s) is a prefix of sample(m, s) for n <= m."""
@@ -167,20 +198,34 @@ class Task:
         return f"{type(self).__name__}(name={self.name!r}, max_new_tokens={getattr(self, 'max_new_tokens', None)})"
 
 
-def load_task(path: str, **kwargs) -> Task:
-    """Build a task from a built-in short name (see BUILTIN_TASKS) or "package.module:ClassName".
+def load_task(path: str, checkpoint: str | None = None, **kwargs) -> Task:
+    """Build a task from a built-in short name (see BUILTIN_TASKS), a library name
+    "<prefix>:<argument>" (see LIBRARY_TASKS: "reasoning_gym:<dataset>", "jsonl:<path>",
+    "parquet:<path>") or "package.module:ClassName".
 
-    kwargs go to the class constructor. Raises ValueError naming the path and the reason
-    when the module or class cannot be imported, the constructor rejects the kwargs, or
-    the object is not a Task.
+    kwargs go to the class constructor. A class with `needs_checkpoint` (every chat and
+    library task) also gets `checkpoint`, the model folder whose tokenizer and chat template
+    it uses; other tasks ignore it. Raises ValueError naming the path and the reason when
+    the module or class cannot be imported, the constructor rejects the kwargs, the task
+    needs a checkpoint and has none, or the object is not a Task.
     """
     if not isinstance(path, str) or not path:
         raise ValueError(f"load_task: path must be a non-empty str, got {path!r}")
-    target = BUILTIN_TASKS.get(path, path)
+    prefix, sep, argument = path.partition(":")
+    if sep and prefix in LIBRARY_TASKS:
+        target, keyword = LIBRARY_TASKS[prefix]
+        if not argument:
+            raise ValueError(f"load_task: {path!r} names no {keyword}: write '{prefix}:<{keyword}>'")
+        if keyword in kwargs:
+            raise ValueError(f"load_task: {path!r} already names the {keyword}; task.kwargs may not set "
+                             f"{keyword} = {kwargs[keyword]!r}")
+        kwargs = {keyword: argument, **kwargs}
+    else:
+        target = BUILTIN_TASKS.get(path, path)
     if ":" not in target:
         raise ValueError(
-            f"load_task: {path!r} is neither a built-in task ({', '.join(sorted(BUILTIN_TASKS))}) "
-            f"nor of the form 'package.module:ClassName'"
+            f"load_task: {path!r} is neither a built-in task ({', '.join(sorted(BUILTIN_TASKS))}), a library task "
+            f"({', '.join(p + ':...' for p in LIBRARY_TASKS)}) nor of the form 'package.module:ClassName'"
         )
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
@@ -203,6 +248,12 @@ def load_task(path: str, **kwargs) -> Task:
     if isinstance(obj, type):
         if not issubclass(obj, Task):
             raise ValueError(f"load_task: {target!r} is a class but not a subclass of titan_rl.tasks.Task")
+        if obj.needs_checkpoint:
+            if not checkpoint:
+                raise ValueError(f"load_task: task {path!r} uses the model's own tokenizer and chat template, read "
+                                 f"from model.checkpoint, which is not set: point it at the model's folder "
+                                 f"(config.json, weights and tokenizer files)")
+            kwargs = {"checkpoint": checkpoint, **kwargs}
         try:
             task = obj(**kwargs)
         except TypeError as e:
