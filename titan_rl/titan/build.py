@@ -77,7 +77,8 @@ def build_titan_config(cfg, run_dir: str) -> Trainer.Config:
         with open(cfg_path) as f:
             fields["model_config"] = get_architecture(cfg.model.name).config_from_hf(json.load(f))
         fields["checkpoint_names"] = folder_names(cfg.model.checkpoint, cfg.model.name)
-        initial_load = dict(enable=True, initial_load_path=cfg.model.checkpoint, initial_load_in_hf=True,
+        # TorchTitan takes an absolute path only; a relative model.checkpoint is the launch directory's
+        initial_load = dict(enable=True, initial_load_path=os.path.abspath(cfg.model.checkpoint), initial_load_in_hf=True,
                             initial_load_model_only=True)
     if cfg.model.freeze_indexer:  # GLM-5's RL setting: the indexers take no gradient
         fields["frozen"] = (".self_attn.indexer.",)
