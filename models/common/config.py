@@ -38,6 +38,28 @@ class DenseConfig:
             )
         return self
 
+    def hf_fields(self, architecture: str, model_type: str, dtype: str) -> dict:
+        """The config.json entries every dense decoder's transformers config reads alike."""
+        return {
+            "architectures": [architecture],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+        }
+
     def tp_widths(self) -> dict[str, int]:
         """The widths model.tp_leaves must divide (the column blocks and K-leaves of the
         "col"/"row" linears), named as the error names them."""

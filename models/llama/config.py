@@ -23,29 +23,8 @@ class LlamaConfig(DenseConfig):
     def hf_config(self, architecture: str = "TitanLlamaForCausalLM", dtype: str = "bfloat16") -> dict:
         """config.json content that transformers parses as a LlamaConfig."""
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        return {
-            "architectures": [architecture],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": dtype,
-            "dtype": dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-        }
+        return {**self.hf_fields(architecture, "llama", dtype), "rope_scaling": None, "mlp_bias": False,
+                "bos_token_id": self.bos_token_id, "eos_token_id": eos}
 
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":

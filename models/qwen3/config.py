@@ -16,27 +16,7 @@ class Qwen3Config(DenseConfig):
 
     def hf_config(self, architecture: str = "TitanQwen3ForCausalLM", dtype: str = "bfloat16") -> dict:
         """config.json content that transformers parses as a Qwen3Config."""
-        return {
-            "architectures": [architecture],
-            "model_type": "qwen3",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": dtype,
-            "dtype": dtype,
-            "bos_token_id": 0,
-            "eos_token_id": 1,
-        }
+        return {**self.hf_fields(architecture, "qwen3", dtype), "bos_token_id": 0, "eos_token_id": 1}
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3Config":
