@@ -66,6 +66,7 @@ def test_rl_run_has_zero_mismatch_and_equal_weights(uninterrupted):
     lines = r.stdout.strip().splitlines()
     assert all(ln.startswith("step ") for ln in lines[:-1]), r.stdout
     assert lines[-1].startswith("done: 6 steps (2 sft + 4 rl)") and "max |dlogp| 0 over 4 rl steps" in lines[-1]
+    assert "; s per rl step " in lines[-1] and "backward " in lines[-1] and "; peak RSS " in lines[-1], lines[-1]
 
 
 def test_kill_and_resume_equals_uninterrupted(uninterrupted, tmp_path):

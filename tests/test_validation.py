@@ -220,8 +220,8 @@ def test_clean_console_and_summary_line(finished):
     run, r = finished
     assert r.stderr.strip() == "", r.stderr  # no third-party warnings
     last = r.stdout.strip().splitlines()[-1]
-    assert re.match(r"done: 4 steps \(4 sft \+ 0 rl\) in \dm\d\ds; metrics .*metrics.jsonl, checkpoints .*checkpoint$",
-                    last), last
+    assert re.match(r"done: 4 steps \(4 sft \+ 0 rl\) in \dm\d\ds; peak RSS \d+\.\d GiB; metrics .*metrics.jsonl, "
+                    r"checkpoints .*checkpoint$", last), last
     assert all(ln.startswith("step ") for ln in r.stdout.strip().splitlines()[:-1]), r.stdout
 
 

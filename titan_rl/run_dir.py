@@ -23,8 +23,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def comparable(m: dict) -> dict:
-    """A metrics line without wall-clock fields (for resume- and layout-equality checks)."""
-    return {k: v for k, v in m.items() if not (k.endswith("_seconds") or k.endswith("_per_s"))}
+    """A metrics line without wall-clock and memory fields (for resume- and layout-equality checks)."""
+    return {k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib"))}
 
 
 class MetricsFile:

@@ -32,6 +32,16 @@ def summary_line(cfg, run_dir: str, seconds: float | None = None) -> str | None:
     dl = [m["max_abs_dlogp"] for m in rl if "max_abs_dlogp" in m]
     if dl:
         parts.append(f"max |dlogp| {max(dl):.3g} over {len(dl)} rl steps")
+    phases = [(name, [m[f"time_{key}_seconds"] for m in rl if f"time_{key}_seconds" in m])
+              for name, key in (("rollout", "rollout"), ("forward", "forward"), ("backward", "backward"),
+                                ("optimizer", "optimizer"), ("sync", "weight_sync"))]
+    if rl and all(v for _, v in phases):
+        step_s = [m["step_seconds"] for m in rl if "step_seconds" in m]
+        parts.append(f"s per rl step {sum(step_s) / len(step_s):.1f} (" + ", ".join(
+            f"{name} {sum(v) / len(v):.1f}" for name, v in phases) + ")")
+    rss = [m["peak_rss_mib"] for m in ms if "peak_rss_mib" in m]
+    if rss:
+        parts.append(f"peak RSS {max(rss) / 1024:.1f} GiB")
     skipped = sum(1 for m in ms if m.get("skipped_nonfinite"))
     if skipped:
         parts.append(f"{skipped} steps skipped (non-finite loss or grad norm)")

@@ -14,6 +14,7 @@ uninterrupted one and every layout samples the same rollouts.
 from __future__ import annotations
 
 import math
+import resource
 import time
 import warnings
 from typing import TYPE_CHECKING
@@ -103,7 +104,9 @@ class RLTrainer(Trainer):
             self._log(self.evaluation.run(self.engine, self.step, weights_step=self.step - 1))
         m = self._sft_step() if self.step <= self.rl.algorithm.sft_steps else self._rl_step()
         self.lr_schedulers.step()
-        m.update(step=self.step, lr=lr, step_seconds=time.perf_counter() - t0)
+        # peak_rss_mib: this process's high-water mark so far (with a colocated engine, its memory too)
+        m.update(step=self.step, lr=lr, step_seconds=time.perf_counter() - t0,
+                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if self._skipped:
             m["skipped_nonfinite"] = True
         if self.config_changes:  # the first step after a relaunch that changed these keys
