@@ -259,7 +259,24 @@ def _train(run_dir, folder, extra=()):
 @pytest.fixture(scope="module")
 def evaluated_run(folders, tmp_path_factory):
     run = tmp_path_factory.mktemp("chat_run")
-    return run, _train(run, folders["chat"], ["--eval.interval=1", "--eval.n=2"])
+    return run, _train(run, folders["chat"], ["--eval.interval=1", "--eval.n=2", "--checkpoint.enable=true",
+                                              "--checkpoint.interval=3"])
+
+
+def test_eval_of_a_run_dir_is_the_runs_own_held_out_line(evaluated_run, capsys):
+    """`python -m titan_rl.eval --checkpoint RUN_DIR`: the newest checkpoint exported in the run's
+    dtype, the run's own task: the same greedy answers as the run's last evaluation (same
+    questions, same weights, same engine)."""
+    from titan_rl.eval import evaluate, _parse
+    from titan_rl.run_dir import read_metrics
+
+    run, _ = evaluated_run
+    last = [m for m in read_metrics(str(run)) if m["phase"] == "eval"][-1]
+    assert last["weights_step"] == 3
+    doc = evaluate(_parse(["--checkpoint", str(run), "--n", "2", "--seed", "0"]))
+    assert doc["task"] == "reasoning_gym:chain_sum" and doc["checkpoint"] == str(run)
+    assert (doc["accuracy"], doc["reward_mean"], doc["response_length"]) == \
+        (last["eval_accuracy"], last["eval_reward_mean"], last["eval_response_length"])
 
 
 def test_rl_run_on_a_chat_task_has_zero_mismatch_and_logs_eval_accuracy(evaluated_run):

@@ -2,6 +2,11 @@
 
     python -m titan_rl.eval --checkpoint FOLDER --task NAME [--task-kwargs JSON] --n N --seed S
         [--max-new-tokens M] [--json OUT] [--dtype float32|bfloat16] [--kv-cache-mib MIB]
+    python -m titan_rl.eval --checkpoint RUN_DIR [--step K] --n N --seed S ...
+
+A run dir (it has config.toml) is evaluated at its newest checkpoint (or step K), exported in
+the run's dtype (titan_rl.export: the weights its engine held), on the run's own task unless
+--task says otherwise; with `[eval] seed = S` and n = N it reproduces the run's own held-out line.
 
 The architecture comes from the folder's config.json; chat and library tasks read the
 tokenizer and chat template from the same folder. The questions are
@@ -27,9 +32,12 @@ quiet.install()
 
 def _parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m titan_rl.eval", description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="HF folder: config.json, weights, tokenizer files")
-    ap.add_argument("--task", required=True, help="a task name, as task.name in a config (docs/tasks.md)")
-    ap.add_argument("--task-kwargs", default="{}", metavar="JSON", help="the task's kwargs, a JSON object")
+    ap.add_argument("--checkpoint", required=True,
+                    help="HF folder (config.json, weights, tokenizer files) or a titan_rl run dir")
+    ap.add_argument("--step", type=int, default=None, help="a run dir's checkpoint step (default: the newest)")
+    ap.add_argument("--task", default=None, help="a task name, as task.name in a config (docs/tasks.md); "
+                    "default for a run dir: its own")
+    ap.add_argument("--task-kwargs", default=None, metavar="JSON", help="the task's kwargs, a JSON object")
     ap.add_argument("--n", type=int, default=32, help="held-out questions (default 32)")
     ap.add_argument("--seed", type=int, default=0, help="which held-out questions (default 0)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="default: the task's max_new_tokens")
@@ -38,6 +46,20 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--kv-cache-mib", type=int, default=256)
     ap.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return ap.parse_args(argv)
+
+
+def _run_dir_as_folder(args, work: str) -> None:
+    """--checkpoint RUN_DIR: its checkpoint exported into `work` in the run's dtype, and the run's
+    task (and kwargs) where --task is not given. Edits `args` in place."""
+    from titan_rl import config as config_mod
+    from titan_rl.export import export
+
+    run = config_mod.load(os.path.join(args.checkpoint, "config.toml"))
+    export(args.checkpoint, work, step=args.step, dtype=run.model.dtype, force=True)
+    if args.task is None:
+        args.task, args.task_kwargs = run.task.name, args.task_kwargs or json.dumps(run.task.kwargs)
+    args.dtype = args.dtype or run.model.dtype
+    args.source, args.checkpoint = args.checkpoint, work
 
 
 def _checked(args) -> tuple:
@@ -53,8 +75,10 @@ def _checked(args) -> tuple:
                             ("--kv-cache-mib", args.kv_cache_mib, 1)):
         if value < low:
             raise UserError(f"{key} = {value}: must be >= {low}")
+    if args.task is None:
+        raise UserError("--task is needed for a checkpoint folder (a run dir brings its own)")
     try:
-        kwargs = json.loads(args.task_kwargs)
+        kwargs = json.loads(args.task_kwargs or "{}")
     except json.JSONDecodeError as e:
         raise UserError(f"--task-kwargs = {args.task_kwargs!r} is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
@@ -82,6 +106,19 @@ def _checked(args) -> tuple:
 
 def evaluate(args) -> dict:
     """The evaluation `args` describe (parsed as by the CLI): its JSON document."""
+    import tempfile
+
+    from titan_rl.errors import UserError
+
+    if args.step is not None and not os.path.isfile(os.path.join(args.checkpoint, "config.toml")):
+        raise UserError(f"--step is for a run dir; {args.checkpoint!r} has no config.toml")
+    with tempfile.TemporaryDirectory() as work:
+        if os.path.isfile(os.path.join(args.checkpoint, "config.toml")):
+            _run_dir_as_folder(args, work)
+        return _evaluate(args)
+
+
+def _evaluate(args) -> dict:
     import torch
 
     from titan_rl.rl.evaluation import greedy_requests, score_sums, summary
@@ -100,7 +137,7 @@ def evaluate(args) -> dict:
     result = {k.removeprefix("eval_"): v for k, v in summary(sums).items()}
     questions = [{"prompt": ex.prompt_text, "answer": ex.answer, "completion": task.tokenizer.decode(toks),
                   "reward": task.reward(ex, toks), "tokens": len(toks)} for ex, toks in zip(examples, tokens)]
-    return {"checkpoint": os.path.abspath(args.checkpoint), "architecture": arch, "dtype": dtype, "kernels": "exact",
+    return {"checkpoint": os.path.abspath(getattr(args, "source", args.checkpoint)), "architecture": arch, "dtype": dtype, "kernels": "exact",
             "task": args.task, "task_kwargs": kwargs, "seed": args.seed, "max_new_tokens": new, **result,
             "seconds": time.perf_counter() - t0, "questions": questions}
 

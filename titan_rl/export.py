@@ -14,6 +14,7 @@ compute the run's own logits from the folder, bit for bit (tests/test_export.py)
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -59,6 +60,10 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise UserError(f"{out_dir} exists and is not empty; pass --force to write into it")
 
+    source = Path(cfg.model.checkpoint) if cfg.model.checkpoint else None
+    if source is not None and not source.is_dir():
+        raise UserError(f"the run's model.checkpoint {str(source)!r} (its tokenizer files) is not a folder from "
+                        f"{os.getcwd()}: run from the directory the run was launched in")
     spec = get_architecture(cfg.model.name)
     model = spec.build(config_mod.model_config(cfg), cfg.model_options())
     saved = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -72,7 +77,6 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dt
         dcp_load(state, storage_reader=FileSystemReader(str(ckpt)))
     model.load_state_dict(state, strict=False)
     save_hf_folder(model, out_dir, architecture=spec.hf_architecture, dtype=DTYPES[dtype], arch=spec.name)
-    source = Path(cfg.model.checkpoint) if cfg.model.checkpoint else None
     for name in TOKENIZER_FILES if source else ():
         if (source / name).is_file():
             shutil.copy2(source / name, out_dir / name)
