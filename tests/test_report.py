@@ -286,3 +286,11 @@ def test_parity_shows_each_engines_contract(tmp_path):
     assert "Engine <code>exact</code>: <span class='ok'>equal</span> (trainer <code>h1</code>" in text
     assert "Engine <code>stock</code>: <span class='bad'>differs in op.linear</span>" in text
     assert "<span class='bad'>vllm X</span>" in text
+
+
+def test_run_summary_has_time_by_phase_and_peak_rss():
+    rows = [{"step": s, "phase": "rl", "step_seconds": 2.0 * s, "time_backward_seconds": 1.0 * s,
+             "peak_rss_mib": 100.0 + s} for s in (1, 2, 3)]
+    got = dict(report.run_summary(rows))
+    assert got["mean seconds per RL step"] == 4.0 and got["  ... backward"] == 2.0 and got["  ... rollout"] is None
+    assert got["peak RSS of the trainer process (MiB)"] == 103.0

@@ -125,6 +125,12 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
             evals[-1]["eval_accuracy"])] if evals else []),
         ("mean rollout tokens/s", _mean([r.get("rollout_tokens_per_s") for r in rl])),
         ("mean train tokens/s", _mean([r.get("train_tokens_per_s") for r in rows])),
+        ("mean seconds per RL step", _mean([r.get("step_seconds") for r in rl])),
+        *((f"  ... {name}", _mean([r.get(f"time_{key}_seconds") for r in rl]))
+          for name, key in (("rollout", "rollout"), ("forward", "forward"), ("backward", "backward"),
+                            ("optimizer", "optimizer"), ("weight sync", "weight_sync"))),
+        ("peak RSS of the trainer process (MiB)", max((r["peak_rss_mib"] for r in rows if finite(r.get("peak_rss_mib"))),
+                                                      default=None)),
     ]
     ed = [r["expert_disagreement"] for r in rl if finite(r.get("expert_disagreement"))]
     if ed:
