@@ -40,9 +40,9 @@ def test_auto_without_a_checkpoint_and_unknown_names(capsys, tmp_path, folders):
                  capsys, tmp_path)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
-    (foreign / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (foreign / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     _both_refuse(["--model.name=auto", f"--model.checkpoint={foreign}"],
-                 r"architectures = \['LlamaForCausalLM'\].*'Qwen3NextForCausalLM'", capsys, tmp_path)
+                 r"architectures = \['GPT2LMHeadModel'\].*'Qwen3NextForCausalLM'", capsys, tmp_path)
 
 
 def test_a_missing_gdn_tensor_is_named(folders, tmp_path, capsys):
