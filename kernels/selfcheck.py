@@ -79,11 +79,29 @@ def platform_choices(device: torch.device | str = "cpu") -> dict:
     from titan_rl.kernels.matmul import torch_impl as mm
 
     return {"backend": backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM,
-            "bf16_gemm": mm.BF16_GEMM, "lm_head": _head_form(), "quant_gemm": _quant_gemm_form(), "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
+            "bf16_gemm": mm.BF16_GEMM, "lm_head": _head_form(), "quant_gemm": _quant_gemm_form(),
+            # which instructions compute the dpbf16 forms: not bit-relevant (csrc/dpbf16_avx2.h)
+            "dpbf16": _dpbf16_implementation(), "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
             "attention": f"compiled, fixed order per row (kernels/csrc/paged_attention.cpp), bf16 form {_attn_form()}",
             "elementwise": "compiled silu_mul; RoPE from a chunked table",
             # not the thread count itself: the self-check proves the outputs equal at 1, 2 and the current count
             "threads": "not bit-relevant (the self-check compares 1, 2 and the current count)"}
+
+
+def bit_choices(dtype: torch.dtype, device: torch.device | str = "cpu") -> dict:
+    """The platform choices that decide a `dtype` model's bits in exact mode: what a run dir
+    records, since a resume where one differs continues the policy with other bits. The CPU
+    capability is one (ATen's vectorised log-softmax, which both engines' log-probs use, rounds
+    differently at AVX2 and AVX512 width); which instructions compute the dpbf16 forms is not
+    (the same bits either way: csrc/dpbf16_avx2.h), nor the thread count. The bf16 forms
+    count only for a bf16 model."""
+    c = {k: v for k, v in platform_choices(device).items() if k not in ("dpbf16", "threads")}
+    if dtype != torch.bfloat16:
+        for k in ("bf16_gemm", "lm_head", "quant_gemm"):
+            c.pop(k, None)
+        if "attention" in c:
+            c["attention"] = c["attention"].split(", bf16 form")[0]
+    return c
 
 
 def _attn_form() -> str:
@@ -96,6 +114,12 @@ def _quant_gemm_form() -> str:
     from titan_rl.kernels.quant.gemm import quant_gemm_form
 
     return quant_gemm_form()
+
+
+def _dpbf16_implementation() -> str:
+    from titan_rl.kernels.quant.gemm import quant_gemm_implementation
+
+    return quant_gemm_implementation()
 
 
 def _head_form() -> str:

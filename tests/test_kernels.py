@@ -61,8 +61,30 @@ def _dpbf16_form():
     from titan_rl.kernels.lm_head import torch_impl as head
 
     if head.HEAD_FORM != "dpbf16":
-        pytest.skip("this CPU has no AVX512-BF16: the bf16 LM head runs the fp32 form (tested above)")
+        pytest.skip("this build has neither AVX512-BF16 nor AVX2 + FMA: the bf16 LM head runs the fp32 form")
     return head
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-63, 2.0**-126])
+def test_lm_head_dpbf16_is_the_instructions_bits(scale, rng):
+    """Whichever instructions compute it here (vdpbf16ps, or FMAs under DAZ/FTZ on AVX2:
+    csrc/dpbf16_avx2.h), the bf16 head's logits are the dpbf16 reference's bits: per k-pair
+    the odd product then the even one, fused adds, subnormals flushed. Odd sizes, several row
+    counts, and operands whose products and sums fall in the subnormal range (where a
+    non-fused or unflushed form would differ)."""
+    from titan_rl.kernels.matmul.reference import dpbf16_dot
+
+    _dpbf16_form()
+    h = (torch.randn(13, 37, generator=rng) * scale).to(torch.bfloat16)
+    w = torch.randn(43, 37, generator=rng).to(torch.bfloat16)
+    if scale != 1.0:
+        w = (w.float() * 2.0**-60 / scale**0.5 if scale < 2.0**-100 else w.float() * scale).to(torch.bfloat16)
+    ref = dpbf16_dot(h, w)
+    for m in (1, 4, 13):
+        got = lm_head_logits(h[:m], w)
+        assert torch.equal(got.view(torch.int32), ref[:m].view(torch.int32)), m
+    if scale != 1.0:  # the case exercises the flush: the plain fp32 sum of products differs
+        assert not torch.equal((h.float() @ w.float().t()).view(torch.int32), ref.view(torch.int32))
 
 
 @pytest.mark.parametrize("k,n", [(203, 997), (64, 77), (512, 1000)])

@@ -54,7 +54,8 @@ def test_every_cpu_dependent_choice_is_the_avx2_machines():
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["cpu_capability"] == "AVX2"
-    assert (got["bf16_gemm"], got["lm_head"], got["quant_gemm"]) == ("fp32", "fp32", "dense")
+    # the dpbf16 forms run on AVX2 too, from FMAs (csrc/dpbf16_avx2.h): the bits, not the instructions
+    assert (got["bf16_gemm"], got["lm_head"], got["quant_gemm"], got["dpbf16"]) == ("fp32", "dpbf16", "dpbf16", "avx2-fma")
     assert got["attention"].endswith("bf16 form fp32")
     assert got["vllm_libraries"] == ["_C_AVX2.abi3.so"], got["vllm_libraries"]
     assert got["gdn_conv_path"] == "torch"
@@ -68,3 +69,48 @@ def test_the_cpu_dependent_tests_pass_as_on_an_avx2_machine():
     tail = out.stdout[-4000:]
     assert out.returncode == 0, tail
     assert " passed" in tail and " failed" not in tail, tail
+
+
+# The LM head and quantized GEMM outputs on fixed inputs: odd sizes, several row counts, every
+# recipe through the engine's packing and the trainer's per-call preparation, operands in the
+# subnormal range. Written by the process that runs this, for the other kind to compare.
+DPBF16_CASES = """
+import sys, torch
+from titan_rl.kernels import cpu_features
+cpu_features.apply()
+from titan_rl.kernels.lm_head.torch_impl import lm_head_logits
+from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quantize_weight, quant_gemm_implementation
+g = torch.Generator().manual_seed(7)
+out = {"implementation": quant_gemm_implementation()}
+for m, k, n, scale in [(1, 37, 43, 1.0), (13, 203, 997, 0.07), (70, 64, 77, 1.0), (5, 51, 40, 2.0**-63)]:
+    h = (torch.randn(m, k, generator=g) * scale).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * scale).to(torch.bfloat16)
+    out[f"head {m}x{k}x{n}"] = lm_head_logits(h, w)
+for recipe in ("fp8_rowwise", "nvfp4", "nvfp4_w4a4"):
+    k = 48 if recipe != "fp8_rowwise" else 45
+    x = torch.randn(19, k, generator=g).to(torch.bfloat16)
+    ws = [torch.randn(n, k, generator=g).to(torch.bfloat16) for n in (33, 7)]
+    out[f"{recipe} trainer"] = quant_linear(x, ws, recipe)
+    out[f"{recipe} engine"] = quant_linear(x[:3], PackedQuant.from_parts(recipe, [quantize_weight(w, recipe) for w in ws]))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_the_dpbf16_forms_give_the_same_bits_on_both_cpu_kinds(tmp_path):
+    """One set of bits per recipe and dtype on every CPU: the bf16 LM head and the quantized
+    GEMM computed by vdpbf16ps here and by AVX2 FMAs in the masked child are equal bit for
+    bit, so a run trained on one kind resumes or serves on the other without a change."""
+    here, there = tmp_path / "native.pt", tmp_path / "avx2.pt"
+    native = subprocess.run([sys.executable, "-c", DPBF16_CASES, str(here)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert native.returncode == 0, native.stderr[-3000:]
+    masked = _masked(["-c", DPBF16_CASES, str(there)], 600)
+    assert masked.returncode == 0, masked.stderr[-3000:]
+    a, b = torch.load(here), torch.load(there)
+    if a["implementation"] != "avx512bf16":
+        pytest.skip(f"this CPU computes the dpbf16 forms by {a['implementation']}: the masked child runs the same code")
+    assert b.pop("implementation") == "avx2-fma" and a.pop("implementation") == "avx512bf16"
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name].view(torch.int16 if a[name].dtype == torch.bfloat16 else torch.int32),
+                           b[name].view(torch.int16 if b[name].dtype == torch.bfloat16 else torch.int32)), name

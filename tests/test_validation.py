@@ -274,6 +274,34 @@ def test_allowed_config_change_resumes_and_is_logged(finished, tmp_path):
     assert config.load(run / "config.toml").optimizer.lr == 0.002  # the next relaunch compares with this
 
 
+def test_run_dir_records_its_platform_and_a_resume_elsewhere_is_refused(finished, tmp_path):
+    """The run dir records the platform choices its bits came from; a relaunch where one
+    differs (here: the record says another CPU kind trained it) stops in one line naming the
+    choice before any work, and --allow-config-change=platform resumes it, logged."""
+    import torch
+
+    from titan_rl.kernels.selfcheck import bit_choices
+
+    src, _ = finished
+    recorded = json.loads((src / "platform.json").read_text())
+    assert recorded == bit_choices(torch.float32) and "cpu_capability" in recorded and "dpbf16" not in recorded
+    assert "bf16_gemm" not in recorded  # an fp32 run: the bf16 forms do not decide its bits
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    other = {**recorded, "cpu_capability": "OTHER", "gemm": "other"}
+    (run / "platform.json").write_text(json.dumps(other))
+    before = _tree_hash(run)
+    args = ["--run-dir", str(run), *SFT[1:], "--training.steps=5"]
+    r = _cli(args + ["--allow-config-change=training.steps"])
+    _one_line_error(r, r"was trained on other platform choices .*platform.cpu_capability: 'OTHER' -> '\w+'; "
+                       r"platform.gemm: 'other' -> '(onednn|mm)'.*--allow-config-change=platform")
+    assert _tree_hash(run) == before and r.seconds < 30
+    r = _cli(args + ["--allow-config-change=training.steps,platform"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "platform.cpu_capability" in _metrics(run)[-1]["config_changes"]
+    assert json.loads((run / "platform.json").read_text()) == recorded  # the next relaunch compares with this
+
+
 # -- non-finite values ---------------------------------------------------------------------------
 def test_nonfinite_loss_stops_before_the_optimizer_step(tmp_path):
     """lr = 1e30: step 1 is finite, its update blows the weights up, step 2's loss is NaN."""

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default=None, help="default: runs/<config name>")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     ap.add_argument("--allow-config-change", default="", metavar="KEY[,KEY...]",
-                    help="resume a run dir whose stored config differs in these keys (logged in metrics.jsonl)")
+                    help="resume a run dir whose stored config differs in these keys (logged in metrics.jsonl); "
+                         "'platform': on other platform choices than it was trained on")
     args, overrides = ap.parse_known_args(argv)
     path = args.config or str(Path(__file__).resolve().parent.parent / "train_configs" / "rl_debug.toml")
     run_dir = args.run_dir or os.path.join("runs", Path(path).stem)
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
             return 0
         if rank0:
             v.write_run_config(cfg, run_dir)
+            v.write_run_platform(cfg, run_dir)
         return run(cfg, run_dir, task=task, config_changes=changes)
     except REPORTED as e:
         return report_error(e)

@@ -9,6 +9,7 @@ two settings.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def check_run_config(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> 
     new = config_mod.to_dict(cfg)
     flat_keys = list(_flat(new))
     for key in allow:
-        if key not in flat_keys:
+        if key not in flat_keys and key != PLATFORM_KEY:
             m = difflib.get_close_matches(key, flat_keys, n=1, cutoff=0.5)
             raise UserError(f"--allow-config-change {key!r} is not a config key"
                             + (f"; did you mean {m[0]!r}?" if m else ""))
@@ -88,6 +89,51 @@ def check_run_config(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> 
                         f"Resuming would mix both settings: use a new --run-dir, or allow the change with "
                         f"--allow-config-change={','.join(refused)}")
     return diff
+
+
+PLATFORM_FILE = "platform.json"
+PLATFORM_KEY = "platform"  # --allow-config-change's name for "resume on other platform choices"
+
+
+def _bit_choices(cfg: config_mod.Config) -> dict:
+    import torch
+
+    from titan_rl.kernels.selfcheck import bit_choices
+
+    return bit_choices(getattr(torch, cfg.model.dtype))
+
+
+def check_run_platform(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> dict[str, tuple]:
+    """A run dir with a checkpoint records the platform choices its bits came from
+    (kernels.selfcheck.bit_choices); resuming it where one differs (another CPU kind, another
+    torch) would continue the policy with other bits: refused in one line before any work,
+    unless allowed with --allow-config-change=platform (then returned, to be logged). Stock
+    kernels claim no bits: not checked."""
+    path = Path(run_dir) / PLATFORM_FILE
+    if (cfg.model.kernels != "exact" or not path.is_file() or not cfg.checkpoint.enable
+            or latest_checkpoint_step(cfg, run_dir) == 0):
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); it records the platform the run's bits came from: "
+                        f"restore it or use a new --run-dir") from None
+    new = _bit_choices(cfg)
+    diff = {f"{PLATFORM_KEY}.{k}": (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)}
+    if diff and PLATFORM_KEY not in allow:
+        listed = "; ".join(f"{k}: {o!r} -> {n!r}" for k, (o, n) in diff.items())
+        raise UserError(f"run dir {run_dir!r} was trained on other platform choices ({path}): {listed}. Its policy "
+                        f"would continue with other bits: resume it on the machine kind it ran on, or allow it "
+                        f"with --allow-config-change={PLATFORM_KEY}")
+    return diff
+
+
+def write_run_platform(cfg: config_mod.Config, run_dir: str) -> None:
+    path = Path(run_dir) / PLATFORM_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_bit_choices(cfg), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def write_run_config(cfg: config_mod.Config, run_dir: str) -> None:
@@ -208,4 +254,5 @@ def preflight_train(cfg: config_mod.Config, run_dir: str, allow: list[str]) -> t
     task = load_task_checked(cfg)
     check_task(cfg, task, model_vocab(cfg))
     changes = check_run_config(cfg, run_dir, allow)
+    changes.update(check_run_platform(cfg, run_dir, allow))
     return task, changes

@@ -23,9 +23,15 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
+#include <string>
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define TITAN_RL_DPBF16 1
+#else
+#include "dpbf16_avx2.h"  // the same bits from AVX2 FMAs (its header says why they are the same)
 #endif
 
 namespace titan_rl {
@@ -36,10 +42,21 @@ constexpr int64_t MR = 8;   // rows per micro-tile (16 accumulators)
 constexpr int64_t MC = 192; // rows kept hot in cache while the weight streams by
 
 bool available() {
-#ifdef TITAN_RL_DPBF16
+#if defined(TITAN_RL_DPBF16) || defined(TITAN_RL_DPBF16_AVX2)
   return true;
 #else
   return false;
+#endif
+}
+
+// Which instructions compute the form here (the bits are the same either way).
+std::string implementation() {
+#if defined(TITAN_RL_DPBF16)
+  return "avx512bf16";
+#elif defined(TITAN_RL_DPBF16_AVX2)
+  return "avx2-fma";
+#else
+  return "none";
 #endif
 }
 
@@ -98,7 +115,7 @@ void rows_tile(const uint32_t* h, int64_t m0, int64_t kp, const uint16_t* wb, fl
 
 // h [M, K] bf16, packed from `pack` (N given) -> [M, N] fp32
 at::Tensor logits(const at::Tensor& h_in, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(available(), "bf16_logits: this build has no AVX512-BF16 (the CPU or compiler lacks it)");
+  TORCH_CHECK(available(), "bf16_logits: this build has neither AVX512-BF16 nor AVX2 with FMA");
   TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kBFloat16, "bf16_logits: a 2D bfloat16 input");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2 && packed.size(0) * NB >= N,
               "bf16_logits: the weight must come from bf16_logits_pack");
@@ -137,6 +154,26 @@ at::Tensor logits(const at::Tensor& h_in, const at::Tensor& packed, int64_t N) {
       }
     });
   }
+#elif defined(TITAN_RL_DPBF16_AVX2)
+  const uint32_t* hp = reinterpret_cast<const uint32_t*>(h.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  float* op = o.data_ptr<float>();
+  const int64_t nb = (N + NB - 1) / NB;
+  float* xs = dp2_rows_buffer(std::min(M, MC) * 2 * kp);
+  for (int64_t mc = 0; mc < M; mc += MC) {
+    const int64_t me = mc + MC < M ? mc + MC : M;
+    at::parallel_for(0, me - mc, 16, [=](int64_t r0, int64_t r1) { dp2_split(hp + mc * kp, me - mc, kp, xs, r0, r1); });
+    at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * NB;
+        dp2_rows(xs - mc * 2 * kp, mc, me, kp, wp + b * kp * NB * 2, N - n0 < NB ? N - n0 : NB,
+                 [=](int64_t m, int64_t rows, int64_t c0, int64_t cols, const float (*t)[16]) {
+                   for (int64_t r = 0; r < rows; ++r)
+                     std::memcpy(op + (m + r) * N + n0 + c0, t[r], cols * sizeof(float));
+                 });
+      }
+    });
+  }
 #endif
   return o;
 }
@@ -146,6 +183,7 @@ at::Tensor logits(const at::Tensor& h_in, const at::Tensor& packed, int64_t N) {
 
 TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("bf16_logits_available() -> bool", &titan_rl::available);
+  m.def("dpbf16_implementation() -> str", &titan_rl::implementation);
   m.def("bf16_logits_pack(Tensor weight) -> Tensor", &titan_rl::pack);
   m.def("bf16_logits(Tensor hidden, Tensor packed, int n) -> Tensor", &titan_rl::logits);
 }

@@ -56,6 +56,8 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define TITAN_RL_QGEMM 1
+#else
+#include "dpbf16_avx2.h"  // the same bits from AVX2 FMAs: quant_linear's second form (below)
 #endif
 // The expanders and micro-kernels must inline into the k-pair loop: a call there (GCC left
 // Nvfp4Expand::block out of line) clobbers the vector registers, and the accumulators then
@@ -76,7 +78,7 @@ constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int64_t FMT_FP8 = 0, FMT_NVFP4 = 1, FMT_NVFP4_W4A4 = 2;
 
 bool qgemm_available() {
-#ifdef TITAN_RL_QGEMM
+#if defined(TITAN_RL_QGEMM) || defined(TITAN_RL_DPBF16_AVX2)
   return true;
 #else
   return false;
@@ -258,6 +260,44 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_pack(const at::Tensor& payload_in, cons
       }
   });
   return {p, ps};
+}
+
+// The calling thread's expansion buffer (kp k-pairs x 32 columns of bf16), kept between calls:
+// a fresh allocation per call cost page faults on every forward.
+inline uint16_t* scratch(int64_t kp) {
+  struct Buf {
+    uint16_t* p = nullptr;
+    size_t bytes = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf b;
+  const size_t need = static_cast<size_t>(kp) * 128;
+  if (need > b.bytes) {
+    std::free(b.p);
+    b.p = static_cast<uint16_t*>(std::aligned_alloc(64, need));
+    TORCH_CHECK(b.p != nullptr, "quant_linear: out of memory for the expansion buffer");
+    b.bytes = need;
+  }
+  return b.p;
+}
+
+// The calling thread's buffer for a chunk of input rows' payload (n bf16 values), kept between
+// calls.
+inline uint16_t* row_chunk(int64_t n) {
+  struct Buf {
+    uint16_t* p = nullptr;
+    size_t bytes = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf b;
+  const size_t need = static_cast<size_t>((n + 31) / 32) * 64;
+  if (need > b.bytes) {
+    std::free(b.p);
+    b.p = static_cast<uint16_t*>(std::aligned_alloc(64, need));
+    TORCH_CHECK(b.p != nullptr, "quant_linear: out of memory for the input's payload");
+    b.bytes = need;
+  }
+  return b.p;
 }
 
 #ifdef TITAN_RL_QGEMM
@@ -462,44 +502,6 @@ TITAN_RL_INLINE void row_tiles(const uint32_t* a, int64_t m, int64_t me, int64_t
 #define TITAN_RL_TILE(R) tile<R>(a, m, kp, wsrc, rs, cs, out, N, n0)
   switch (me - m) { TITAN_RL_ROWS_1_TO_7(TITAN_RL_TILE) default: break; }
 #undef TITAN_RL_TILE
-}
-
-// The calling thread's expansion buffer (kp k-pairs x 32 columns of bf16), kept between calls:
-// a fresh allocation per call cost page faults on every forward.
-inline uint16_t* scratch(int64_t kp) {
-  struct Buf {
-    uint16_t* p = nullptr;
-    size_t bytes = 0;
-    ~Buf() { std::free(p); }
-  };
-  thread_local Buf b;
-  const size_t need = static_cast<size_t>(kp) * 128;
-  if (need > b.bytes) {
-    std::free(b.p);
-    b.p = static_cast<uint16_t*>(std::aligned_alloc(64, need));
-    TORCH_CHECK(b.p != nullptr, "quant_linear: out of memory for the expansion buffer");
-    b.bytes = need;
-  }
-  return b.p;
-}
-
-// The calling thread's buffer for a chunk of input rows' payload (n bf16 values), kept between
-// calls.
-inline uint16_t* row_chunk(int64_t n) {
-  struct Buf {
-    uint16_t* p = nullptr;
-    size_t bytes = 0;
-    ~Buf() { std::free(p); }
-  };
-  thread_local Buf b;
-  const size_t need = static_cast<size_t>((n + 31) / 32) * 64;
-  if (need > b.bytes) {
-    std::free(b.p);
-    b.p = static_cast<uint16_t*>(std::aligned_alloc(64, need));
-    TORCH_CHECK(b.p != nullptr, "quant_linear: out of memory for the input's payload");
-    b.bytes = need;
-  }
-  return b.p;
 }
 
 // One column block for rows [m0, me). Up to DIRECT_ROWS rows: tiles with the weights expanded
@@ -799,11 +801,146 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_prepare(at::Ten
 }
 #endif
 
+#if !defined(TITAN_RL_QGEMM) && defined(TITAN_RL_DPBF16_AVX2)
+// ---- the AVX2 form: the same bits by FMAs (dpbf16_avx2.h) ------------------------------------
+//
+// The pieces the AVX512 form vectorises, one lane at a time with the same IEEE operations: an
+// input row's payload and scale, and a column block expanded from its packed bytes to the bf16
+// block ([kp][32][2]) the dot products read. Every block is expanded into the thread's buffer
+// (no in-register path), then multiplied by dp2_rows; the scales after the dot products.
+
+// bf16 bits of a value exact in bf16 (exact_bf16_of's lane)
+inline uint16_t exact_bf16(float v) { return v != v ? 0x7FC0u : static_cast<uint16_t>(f_to_bits(v) >> 16); }
+
+inline float clamp_s(float v, float lim) { return v < -lim ? -lim : (v > lim ? lim : v); }
+
+// fp8_row_values_v's lane
+inline void fp8_row_values_s(const c10::BFloat16* x, int64_t K, float eps, uint16_t* q, float* s) {
+  const float sc = row_scale(x, K, eps);
+  for (int64_t j = 0; j < K; ++j) q[j] = exact_bf16(round_e4m3(clamp_s(to_f(x[j]) / sc, FP8_MAX)));
+  *s = sc;
+}
+
+// nvfp4_row_values_v's lane
+inline void nvfp4_row_values_s(const c10::BFloat16* x, int64_t K, float g_min, uint16_t* q, float* g_out) {
+  float g = abs_max(x, K) / NVFP4_GLOBAL_DIV;
+  g = g < g_min ? g_min : g;
+  const float inv_g = 1.0f / g;
+  for (int64_t b = 0; b < K; b += NVFP4_BLOCK) {
+    float sb = abs_max(x + b, NVFP4_BLOCK) / F4_MAX / g;
+    sb = sb < E4M3_TINY ? E4M3_TINY : (sb > FP8_MAX ? FP8_MAX : sb);
+    const float e = round_e4m3(sb), recip = inv_g / e;
+    for (int64_t i = 0; i < NVFP4_BLOCK; ++i)
+      q[b + i] = exact_bf16(round_e2m1(clamp_s(to_f(x[b + i]) * recip, F4_MAX)) * e);
+  }
+  *g_out = g;
+}
+
+// bf16 bits of each e4m3 code without its sign (NaN: 0x7FC0), and of each e4m3 byte's value
+struct E4m3Table {
+  uint16_t bf16[128];
+  float value[256];
+  E4m3Table() {
+    for (int c = 0; c < 256; ++c) {
+      value[c] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(c), c10::Float8_e4m3fn::from_bits()));
+      if (c < 128) bf16[c] = f_to_bf16(value[c]);
+    }
+  }
+};
+
+// fp8_pack's block -> [kp][32][2] bf16: byte i of pair p is element i of the bf16 pair block
+inline void fp8_expand_s(const uint8_t* pw, int64_t kp, uint16_t* s) {
+  static const E4m3Table t;
+  for (int64_t i = 0; i < kp * 2 * QNB; ++i)
+    s[i] = static_cast<uint16_t>(t.bf16[pw[i] & 0x7Fu] | ((pw[i] & 0x80u) << 8));
+}
+
+// nvfp4_pack's block -> [kp][32][2] bf16 as Nvfp4Expand: e2m1 magnitude times the column's
+// block scale (exact), the sign or-ed in, zero codes +0, a NaN scale NaN (0x7FC0)
+inline void nvfp4_expand_s(const uint8_t* pw, const uint8_t* ps, int64_t kp, uint16_t* s) {
+  static const E4m3Table t;
+  constexpr float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  for (int64_t p = 0; p < kp; ++p) {
+    const uint8_t* sc = ps + (p / 8) * QNB;  // the block of 16 k holding pair p
+    for (int64_t i = 0; i < QNB; ++i) {      // byte i: column i / 2 (low nibble), 16 + i / 2 (high), parity i % 2
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t c = half * 16 + i / 2;
+        const uint8_t code = half ? pw[p * QNB + i] >> 4 : pw[p * QNB + i] & 15u;
+        const uint8_t scale = sc[c];
+        uint16_t v = (code & 7u) == 0 ? 0 : static_cast<uint16_t>(exact_bf16(mag[code & 7u] * t.value[scale]) | ((code & 8u) << 12));
+        if ((scale & 0x7Fu) == 0x7Fu) v = 0x7FC0u;
+        s[p * 2 * QNB + 2 * c + (i & 1)] = v;
+      }
+    }
+  }
+}
+
+// The packed weight expanded to its bf16 blocks [nb][kp][32][2], once: the engine per weight
+// load, the trainer per call (AVX2 has no byte permutes to expand per tile at the dot
+// products' pace, so the bf16 blocks are held, 2 bytes per element).
+at::Tensor expand_blocks(const at::Tensor& packed, const std::optional<at::Tensor>& pscales, int64_t fmt) {
+  const int64_t nb = packed.size(0), kp = packed.size(1);
+  const int64_t wstride = kp * (fmt == FMT_FP8 ? 2 * QNB : QNB), sstride = (kp / 8) * QNB;
+  at::Tensor e = at::empty({nb, kp, 2 * QNB}, packed.options().dtype(at::kShort));
+  const uint8_t* pw = packed.data_ptr<uint8_t>();
+  const uint8_t* ps = fmt == FMT_FP8 ? nullptr : pscales->data_ptr<uint8_t>();
+  uint16_t* out = reinterpret_cast<uint16_t*>(e.data_ptr());
+  at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (fmt == FMT_FP8)
+        fp8_expand_s(pw + b * wstride, kp, out + b * kp * 2 * QNB);
+      else
+        nvfp4_expand_s(pw + b * wstride, ps + b * sstride, kp, out + b * kp * 2 * QNB);
+    }
+  });
+  return e;
+}
+
+// out[m, n] = bf16((D * rs[m]) * cs[n]) (no rs: D * cs[n]) for rows xs[0 .. M) (dp2_split's)
+void qgemm_avx2(const float* xs, const float* rs, int64_t M, int64_t kp, const uint16_t* ew, const float* cs,
+                int64_t N, uint16_t* out) {
+  const int64_t nb = (N + QNB - 1) / QNB;
+  at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* buf = ew + b * kp * 2 * QNB;
+      const int64_t n0 = b * QNB;
+      dp2_rows(xs, 0, M, kp, buf, N - n0 < QNB ? N - n0 : QNB,
+               [=](int64_t m, int64_t rows, int64_t c0, int64_t cols, const float (*t)[16]) {
+                 for (int64_t r = 0; r < rows; ++r) {
+                   uint16_t* o = out + (m + r) * N + n0 + c0;
+                   const float* c = cs + n0 + c0;
+                   if (rs != nullptr) {
+                     const float s = rs[m + r];
+                     for (int64_t j = 0; j < cols; ++j) o[j] = f_to_bf16((t[r][j] * s) * c[j]);
+                   } else {
+                     for (int64_t j = 0; j < cols; ++j) o[j] = f_to_bf16(t[r][j] * c[j]);
+                   }
+                 }
+               });
+    }
+  });
+}
+#endif
+
+// The AVX2 form's held weight (expand_blocks); None where the AVX512 form expands per tile.
+std::optional<at::Tensor> quant_expand(const at::Tensor& packed, const std::optional<at::Tensor>& pscales, int64_t fmt) {
+#if !defined(TITAN_RL_QGEMM) && defined(TITAN_RL_DPBF16_AVX2)
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  (fmt == FMT_FP8 || (pscales.has_value() && pscales->is_contiguous())),
+              "quant_expand: a weight from fp8_pack / nvfp4_pack");
+  return expand_blocks(packed, pscales, fmt);
+#else
+  (void)packed, (void)pscales, (void)fmt;
+  return std::nullopt;
+#endif
+}
+
 // x [M, K] bf16 @ the packed weight -> [M, n] bf16 (the arithmetic at the top of this file).
 // fmt 0 fp8_rowwise (param: the amax floor), 1 nvfp4, 2 nvfp4_w4a4 (param: the global-scale floor).
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& pscales,
-                        const at::Tensor& col_scale, int64_t n, int64_t fmt, double param) {
-  TORCH_CHECK(qgemm_available(), "quant_linear: this build has no AVX512-BF16 / AVX512-VBMI (the CPU or compiler lacks it)");
+                        const at::Tensor& col_scale, int64_t n, int64_t fmt, double param,
+                        const std::optional<at::Tensor>& expanded_in) {
+  TORCH_CHECK(qgemm_available(), "quant_linear: this build has neither AVX512-BF16 + VBMI nor AVX2 with FMA");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "quant_linear: a 2D bfloat16 input");
   TORCH_CHECK(fmt == FMT_FP8 || fmt == FMT_NVFP4 || fmt == FMT_NVFP4_W4A4, "quant_linear: fmt 0, 1 or 2");
   const at::Tensor x = x_in.contiguous();
@@ -820,6 +957,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
               "quant_linear: col_scale fp32 [n rounded up to 32] (the tile reads whole blocks)");
   at::Tensor y = at::empty({M, n}, x.options());
   (void)param;  // read by the input's quantization only (not compiled without the instructions)
+  (void)expanded_in;  // the AVX2 form's
   if (M == 0) return y;
 #ifdef TITAN_RL_QGEMM
   // The input as the tiles read it, rows of k-pairs: x itself (nvfp4), or for fp8 / w4a4 the
@@ -851,6 +989,41 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   };
   qgemm(rows, rsp, M, kp, packed.data_ptr<uint8_t>(), fp8 ? nullptr : pscales->data_ptr<uint8_t>(),
         col_scale.data_ptr<float>(), n, fmt, reinterpret_cast<uint16_t*>(y.data_ptr()), prep);
+#elif defined(TITAN_RL_DPBF16_AVX2)
+  // as above, chunk by chunk, with the lane-by-lane row payloads and the AVX2 dot products, on
+  // the expanded blocks (quant_expand's, where the caller holds them; else expanded now)
+  const at::Tensor expanded = expanded_in.has_value() ? *expanded_in : expand_blocks(packed, pscales, fmt);
+  TORCH_CHECK(expanded.dim() == 3 && expanded.scalar_type() == at::kShort && expanded.size(0) == nb &&
+                  expanded.size(1) == kp && expanded.size(2) == 2 * QNB && expanded.is_contiguous(),
+              "quant_linear: the expanded weight must come from quant_expand of this packed weight");
+  const uint16_t* ew = reinterpret_cast<const uint16_t*>(expanded.data_ptr());
+  float* xs = dp2_rows_buffer(std::min(M, QMC) * 2 * kp);
+  const bool quant_rows = fmt != FMT_NVFP4;
+  at::Tensor rs = quant_rows ? at::empty({M}, x.options().dtype(at::kFloat)) : at::Tensor();
+  float* rsp = quant_rows ? rs.data_ptr<float>() : nullptr;
+  uint16_t* buf = quant_rows ? row_chunk(std::min(M, QMC) * 2 * kp) : nullptr;
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const float prm = static_cast<float>(param);
+  for (int64_t mc = 0; mc < M; mc += QMC) {
+    const int64_t me = mc + QMC < M ? mc + QMC : M;
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(xp) + mc * kp;
+    if (quant_rows) {
+      at::parallel_for(mc, me, 1, [=](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          uint16_t* row = buf + (r - mc) * 2 * kp;
+          if (fp8)
+            fp8_row_values_s(xp + r * K, K, prm, row, rsp + r);
+          else
+            nvfp4_row_values_s(xp + r * K, K, prm, row, rsp + r);
+          if (K % 2) row[K] = 0;
+        }
+      });
+      a = reinterpret_cast<const uint32_t*>(buf);
+    }
+    at::parallel_for(0, me - mc, 16, [=](int64_t r0, int64_t r1) { dp2_split(a, me - mc, kp, xs, r0, r1); });
+    qgemm_avx2(xs, quant_rows ? rsp + mc : nullptr, me - mc, kp, ew, col_scale.data_ptr<float>(), n,
+               reinterpret_cast<uint16_t*>(y.data_ptr()) + mc * n);
+  }
 #endif
   return y;
 }
@@ -868,6 +1041,8 @@ TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("fp8_prepare(Tensor[] weights, float eps) -> (Tensor, Tensor, Tensor)", &titan_rl::fp8_prepare);
   m.def("nvfp4_prepare(Tensor[] weights, float g_min) -> (Tensor, Tensor, Tensor, Tensor)", &titan_rl::nvfp4_prepare);
 #endif
-  m.def("quant_linear(Tensor x, Tensor packed, Tensor? block_scales, Tensor col_scale, int n, int fmt, float param) -> Tensor",
+  m.def("quant_expand(Tensor packed, Tensor? block_scales, int fmt) -> Tensor?", &titan_rl::quant_expand);
+  m.def("quant_linear(Tensor x, Tensor packed, Tensor? block_scales, Tensor col_scale, int n, int fmt, float param, "
+        "Tensor? expanded) -> Tensor",
         &titan_rl::quant_linear);
 }

@@ -3,13 +3,14 @@ the vocabulary reduction (log-softmax / logsumexp) in fp32.
 
 Two GEMM forms, chosen once per platform (`HEAD_FORM`, reported by the self-check and
 named in the execution contract):
-  "dpbf16": bf16 hidden and weight (a bf16 model) on a CPU with AVX512-BF16: the compiled
-            kernel csrc/bf16_logits.cpp reads the bf16 weight and accumulates the exact
-            products in fp32 with the bf16 dot-product instruction in a fixed order (a
-            bf16 GEMM's speed and half the bytes of an fp32 copy; measured in
-            docs/kernels.md). Its backward is the fp32 one below.
-  "fp32":   everything else (fp32 models; CPUs without bf16 instructions): both operands
-            upcast to fp32 (exact) through the tiled invariant `linear`.
+  "dpbf16": bf16 hidden and weight (a bf16 model) on a CPU with AVX512-BF16 or AVX2 + FMA:
+            the compiled kernel csrc/bf16_logits.cpp reads the bf16 weight and accumulates
+            the exact products in fp32 in a fixed order, vdpbf16ps's (a bf16 GEMM's speed
+            and half the bytes of an fp32 copy; measured in docs/kernels.md). Without
+            AVX512-BF16 the same bits come from FMAs (csrc/dpbf16_avx2.h), so a bf16 model's
+            logits do not depend on the CPU kind. Its backward is the fp32 one below.
+  "fp32":   everything else (fp32 models; CPUs without AVX2): both operands upcast to fp32
+            (exact) through the tiled invariant `linear`.
 Both are batch-invariant: an output's bits depend on its row of h and its row of W only.
 
 The log-softmax is eager `Tensor.log_softmax(-1, dtype=float32)`: the exact expression

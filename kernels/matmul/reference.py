@@ -1,7 +1,32 @@
-"""Reference linear: y = x @ W^T. No invariance claim."""
+"""Reference linear: y = x @ W^T. No invariance claim. And the dpbf16 arithmetic, bit for bit."""
 
 import torch
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
+
+
+_TINY = 2.0**-126  # fp32's smallest normal
+
+
+def _flush(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t.abs() < _TINY, torch.copysign(torch.zeros_like(t), t), t)
+
+
+def dpbf16_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """D = a @ w^T for bf16-exact a [M, K], w [N, K] as AVX512-BF16's vdpbf16ps accumulates
+    it (csrc/bf16_logits.cpp, quant_gemm.cpp; csrc/dpbf16_avx2.h its AVX2 form): one fp32
+    accumulator from +0, per k-pair the odd product then the even one, each add one rounding
+    of the exact sum (the product is exact and not rounded alone: fp64 holds the sum of an
+    fp32 and a 16-bit product exactly wherever it matters), subnormal inputs read as zero and
+    subnormal results flushed to a zero of their sign (measured against the instruction)."""
+    a, w = _flush(a.float()), _flush(w.float())
+    if a.shape[1] % 2:
+        a, w = torch.nn.functional.pad(a, (0, 1)), torch.nn.functional.pad(w, (0, 1))
+    a, w = a.double(), w.double()
+    acc = torch.zeros(a.shape[0], w.shape[0])
+    for p in range(0, a.shape[1], 2):
+        for k in (p + 1, p):
+            acc = _flush((acc.double() + a[:, k, None] * w[None, :, k]).float())
+    return acc

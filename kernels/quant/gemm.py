@@ -2,14 +2,17 @@
 (csrc/quant_gemm.cpp; docs/quantization.md, "The quantized GEMM").
 
 Where it runs (`quant_gemm_form()`, a platform choice in the self-check report and the execution
-contract): "dpbf16" on CPUs with AVX512-BF16 and AVX512-VBMI, for bf16 models and the
-recipes in FORMATS (fp8_rowwise, nvfp4, nvfp4_w4a4). Everywhere else ("dense": CPUs without
-those instructions, fp32 models, CUDA, the other recipes) a quantized linear is the invariant
-`linear` on fake-quantized operands, as before. `uses_quant_gemm` is the one decision both
-engines take, from the recipe and the input's dtype and device, so they always run the same
-form.
+contract): "dpbf16" on every x86 CPU this project runs on, for bf16 models and the recipes in
+FORMATS (fp8_rowwise, nvfp4, nvfp4_w4a4): with AVX512-BF16 and AVX512-VBMI by vdpbf16ps,
+expanding the payload per tile; with AVX2 + FMA by FMAs under DAZ/FTZ on blocks expanded once
+(csrc/dpbf16_avx2.h says why those are the same bits; tests/test_masked_cpu.py compares the two
+bit for bit). `quant_gemm_implementation()` names the instructions; it does not change a bit.
+Everywhere else ("dense": fp32 models, CUDA, the other recipes, a CPU without AVX2) a quantized
+linear is the invariant `linear` on fake-quantized operands. `uses_quant_gemm` is the one
+decision both engines take, from the recipe and the input's dtype and device, so they always
+run the same form.
 
-The dpbf16 form's arithmetic (the recipe's definition on such a CPU): the GEMM multiplies the
+The dpbf16 form's arithmetic (the recipe's definition on a CPU): the GEMM multiplies the
 quantized values themselves, exact in bf16 (an e4m3 value; an e2m1 value times its e4m3 block
 scale), accumulates their exact products in fp32 over k-pairs in order (vdpbf16ps: per pair
 the odd product, then the even one), and applies the remaining scales to the fp32 sum:
@@ -36,6 +39,7 @@ from typing import Sequence
 import torch
 
 from titan_rl.kernels.cpu_ext import ops as _ops
+from titan_rl.kernels.matmul.reference import dpbf16_dot
 
 # recipe -> the kernel's format code (csrc/quant_gemm.cpp)
 FORMATS = {"fp8_rowwise": 0, "nvfp4": 1, "nvfp4_w4a4": 2}
@@ -52,6 +56,16 @@ def quant_gemm_form() -> str:
         return "dpbf16" if _ops().quant_gemm_available() else "dense"
     except (RuntimeError, OSError):
         return "dense"
+
+
+@lru_cache(maxsize=1)
+def quant_gemm_implementation() -> str:
+    """Which instructions run the dpbf16 form here: "avx512bf16" (vdpbf16ps) or "avx2-fma"
+    (the same bits from FMAs under DAZ/FTZ: csrc/dpbf16_avx2.h); "none" where it is absent."""
+    try:
+        return str(_ops().dpbf16_implementation()) if quant_gemm_form() == "dpbf16" else "none"
+    except (RuntimeError, OSError):
+        return "none"
 
 
 def uses_quant_gemm(recipe: str | None, dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -88,7 +102,7 @@ class PackedQuant:
     one fp32 scale per output column (fp8: the row scale; nvfp4: the part's global scale),
     padded to whole blocks. Opaque: only `quant_linear` reads it."""
 
-    __slots__ = ("recipe", "n", "k", "packed", "block_scales", "col_scale")
+    __slots__ = ("recipe", "n", "k", "packed", "block_scales", "col_scale", "expanded")
 
     def __init__(self, recipe: str, n: int, k: int, packed: torch.Tensor, block_scales: torch.Tensor | None,
                  col_scale: torch.Tensor):
@@ -96,6 +110,9 @@ class PackedQuant:
             raise ValueError(f"the quantized GEMM runs {sorted(FORMATS)}; not {recipe!r}")
         self.recipe, self.n, self.k = recipe, n, k
         self.packed, self.block_scales, self.col_scale = packed, block_scales, col_scale
+        # the AVX2 form multiplies bf16 blocks expanded once from `packed` (csrc/quant_gemm.cpp,
+        # quant_expand); None where the AVX512 form expands per tile
+        self.expanded = _ops().quant_expand(packed, block_scales, FORMATS[recipe])
 
     @classmethod
     def from_parts(cls, recipe: str, parts: Sequence[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> "PackedQuant":
@@ -129,6 +146,11 @@ class PackedQuant:
         concatenation (the backward's weight), bit for bit (tests/test_quant_gemm.py)."""
         ws = [w.detach() for w in ws]
         n, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
+        if quant_gemm_implementation() != "avx512bf16":  # the one-pass preparation is AVX512 code
+            from titan_rl.kernels.quant import _fake_quantize_values
+
+            dense = torch.cat([_fake_quantize_values(w, recipe, "weight") for w in ws])
+            return cls.from_parts(recipe, [quantize_weight(w, recipe) for w in ws]), dense
         if recipe == "fp8_rowwise":
             packed, col, dense = _ops().fp8_prepare(ws, AMAX_EPS)
             return cls(recipe, n, k, packed, None, col), dense
@@ -171,7 +193,7 @@ def _run(x2: torch.Tensor, pq: PackedQuant) -> torch.Tensor:
     if x2.shape[-1] != pq.k:
         raise ValueError(f"quant_linear: input has K = {x2.shape[-1]}, the weight {pq.k}")
     return _ops().quant_linear(x2, pq.packed, pq.block_scales, pq.col_scale, pq.n, FORMATS[pq.recipe],
-                               _param(pq.recipe))
+                               _param(pq.recipe), pq.expanded)
 
 
 class _QuantLinear(torch.autograd.Function):
@@ -220,19 +242,6 @@ def quant_linear(x: torch.Tensor, weight, recipe: str | None = None) -> torch.Te
 
 
 # -- the reference: the dpbf16 form in torch, op for op ----------------------------------------
-
-def dpbf16_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """D = a @ w^T for bf16-exact a [M, K], w [N, K] as the kernel accumulates it: fp32, from
-    +0, per k-pair the odd product then the even one (each exact in fp32; each add rounded)."""
-    a, w = a.float(), w.float()
-    if a.shape[1] % 2:
-        a, w = torch.nn.functional.pad(a, (0, 1)), torch.nn.functional.pad(w, (0, 1))
-    acc = torch.zeros(a.shape[0], w.shape[0])
-    for p in range(0, a.shape[1], 2):
-        acc = acc + a[:, p + 1, None] * w[None, :, p + 1]
-        acc = acc + a[:, p, None] * w[None, :, p]
-    return acc
-
 
 def _values(payload: torch.Tensor, scales, recipe: str) -> torch.Tensor:
     """The bf16-exact values the kernel multiplies: e4m3 (fp8), e2m1 * block scale (nvfp4)."""
