@@ -48,6 +48,9 @@ def test_the_issue_command_is_bitwise_with_a_nonzero_stock_column(tmp_path, seed
 
 
 def test_rl_with_a_frozen_indexer_and_index_replay_has_zero_mismatch(tmp_path):
+    """The record travels and is applied without breaking bitwise RL. The trainer's own sets
+    equal the engine's here, so this run cannot show the override is used: test_glm5_vllm's
+    test_the_rl_step_scores_the_samplers_policy_only_with_both_replays_on_a_perturbed_trainer does."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "titan_rl.train", "--config", "train_configs/rl_debug_glm5.toml", "--run-dir", str(run),
            "--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.prompts_per_step=2",

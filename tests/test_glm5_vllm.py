@@ -3,8 +3,12 @@ titan_rl/vllm/dsa.py): the sampler's log-probs are the trainer's, bit for bit, a
 key sets every indexer layer selected at every computed position, for a request alone and in
 a batch of mixed lengths, across chunked-prefill splits (64-token budgets) and decodes, on
 prefix-cache hits, and after a weight sync; replay makes a trainer whose indexer was perturbed
-attend to the recorded sets and give the sampler's log-probs again. fp32 and bf16; folders
-written by transformers at odd sizes (index_topk 16 below the prompts), fresh weights per run."""
+attend to the recorded sets and give the sampler's log-probs again, and the RL step's scoring
+does so only with index and router replay on (each override seen to matter). fp32 and bf16;
+folders written by transformers at odd sizes (index_topk 16 below the prompts), fresh weights
+per run."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +23,8 @@ from titan_rl.checkpoint import load_hf_folder  # noqa: E402
 from titan_rl.dtypes import DTYPES  # noqa: E402
 from titan_rl.hf_reference import hf_model  # noqa: E402
 from titan_rl.kernels import log_softmax_fp32  # noqa: E402
-from titan_rl.metrics import index_disagreement  # noqa: E402
-from titan_rl.rollout import Rollout  # noqa: E402
+from titan_rl.metrics import expert_disagreement, index_disagreement  # noqa: E402
+from titan_rl.rollout import Rollout, ScoredBatch  # noqa: E402
 from titan_rl.vllm.dsa import TitanDsaForCausalLM  # noqa: E402
 from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
 from titan_rl.vllm.indices import capture_indices  # noqa: E402
@@ -153,3 +157,46 @@ def test_replay_forces_the_recorded_sets_on_a_perturbed_indexer(setup, rng):
         toks = torch.tensor(rollout.tokens[i])
         pi = logp[i, rollout.response_span(i)].gather(-1, toks[:, None])[:, 0].double()
         assert torch.equal(pi, rollout.mu[i])
+
+
+def _rl_score(model, rollout, index_selection: str, router_replay: str) -> torch.Tensor:
+    """max |log pi - mu| over the sampled tokens, pi scored the way the RL step scores a rollout
+    (RLTrainer._score: it is what sets the overrides from rollout.index_selection /
+    router_replay), then the overrides cleared as the step's end clears them."""
+    from titan_rl.rl.trainer import RLTrainer
+
+    rl = SimpleNamespace(rollout=SimpleNamespace(index_selection=index_selection, router_replay=router_replay),
+                         sampling=SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0))
+    b = ScoredBatch.of(rollout, rollout.batch(0))
+    try:
+        with torch.no_grad():
+            pi = RLTrainer._score(SimpleNamespace(rl=rl, model=model), b, range(len(rollout)), None)
+    finally:
+        model.set_index_override(None)
+        model.set_route_override(None)
+    return (pi[b.mask].double() - b.mu[b.mask].double()).abs().max()
+
+
+def test_the_rl_step_scores_the_samplers_policy_only_with_both_replays_on_a_perturbed_trainer(setup, rng):
+    """A trainer whose indexers (wk) and routers (the selection-only e_score_correction_bias)
+    were moved slightly chooses other key sets and experts than the engine recorded; neither
+    enters the output but through that choice, so the RL step's scoring gives the sampler's
+    log-probs bit for bit with index and router replay, and not with either override off:
+    a replay path that ignored an override would fail here (with the trainer's own choices
+    equal to the engine's, as in an RL run, it could not)."""
+    llm, _, folder, dtype = setup
+    rollout, _ = _sample(llm, _prompts(rng, [60, 33, 90], vocab=V), max_tokens=12)
+    bent = load_hf_folder(folder, kernels="exact", dtype=DTYPES[dtype], arch="glm_moe_dsa").eval()
+    with torch.no_grad():
+        for name, p in bent.named_parameters():
+            if ".indexer.wk." in name or name.endswith("e_score_correction_bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=rng).to(p.dtype))
+    _, own, own_routes = _trainer_sets(bent, rollout)
+    sets, routes = rollout.padded_indices(), rollout.padded_routes()
+    valid = sets[:, :, 0, 0] >= 0
+    assert index_disagreement(sets[valid], own[valid]) > 0  # the perturbation does change the choices
+    assert expert_disagreement(routes[valid], own_routes[valid]) > 0
+    assert _rl_score(bent, rollout, "replay", "replay") == 0
+    assert _rl_score(bent, rollout, "pinned", "replay") > 0
+    assert _rl_score(bent, rollout, "replay", "off") > 0
+    assert _rl_score(bent, rollout, "pinned", "off") > 0

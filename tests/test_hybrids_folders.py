@@ -6,11 +6,13 @@ import json
 from functools import partial
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from _folders import both_refuse, edited_copy  # noqa: E402
 from titan_rl import config  # noqa: E402
+from titan_rl.checkpoint import check_hf_folder  # noqa: E402
 from titan_rl.hf_reference import hf_model, vl_model  # noqa: E402
 
 HYBRID = "train_configs/debug_hybrid.toml"
@@ -64,6 +66,15 @@ def test_a_folder_of_vision_weights_only_is_refused(folders, tmp_path, capsys):
                  edit_tensors=lambda t: [t.pop(k) for k in list(t) if not k.startswith("model.visual.")])
     _both_refuse(["--model.name=auto", f"--model.checkpoint={case}", "--rollout.max_model_len=512"],
                  r"case: only tensors of parts titan_rl does not load \(model.visual.\* \(21\)\)", capsys, tmp_path)
+
+
+def test_a_published_qwen3_next_folder_loads_without_its_mtp_head(folders, tmp_path, capsys):
+    """Published Qwen3-Next folders carry a multi-token-prediction head (`mtp.*`, not written by
+    transformers' class): the trainer skips it in one line, as the engine does (one checkpoint_key)."""
+    case = edited_copy(folders / "qwen3_next", tmp_path / "case",
+                       edit_tensors=lambda t: t.update({"mtp.fc.weight": torch.ones(8, 16)}))
+    check_hf_folder(case, arch="qwen3_next")
+    assert "1 tensors the text model does not use are not loaded: mtp.fc.* (1)" in capsys.readouterr().err
 
 
 def test_a_model_len_past_the_models_positions_is_named(folders, tmp_path, capsys):

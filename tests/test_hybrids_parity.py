@@ -1,32 +1,58 @@
 """The parity command on folders transformers writes for Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
-(`--model.name=auto`): exact is bitwise (sampled tokens and full-vocab rows) in fp32 and
-bf16 at odd sizes; the stock column is vLLM's own implementation (its CPU GDN op, bf16
-only, at the shapes it takes: titan_rl.hf_reference --stock-shapes) or, where those ops
-cannot run the folder, transformers' own decode-vs-forward pair; neither is zero."""
+(`--model.name=auto`), the text classes' and Qwen3.5's published vision-language form: exact
+is bitwise (sampled tokens and full-vocab rows) in fp32 and bf16 at odd sizes; the stock
+column is vLLM's own implementation (its CPU GDN op, bf16 only, at the shapes it takes:
+titan_rl.hf_reference --stock-shapes) or, where those ops cannot run the folder,
+transformers' own decode-vs-forward pair; neither is zero."""
 
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from titan_rl import parity  # noqa: E402
-from titan_rl.hf_reference import ARCHS, hf_model  # noqa: E402
+from _folders import edited_copy  # noqa: E402
+from titan_rl.hf_reference import ARCHS, VL_ARCHS, hf_model, vl_model  # noqa: E402
 
 BUILTIN = {"qwen3_next": "vllm.model_executor.models.qwen3_next.Qwen3NextForCausalLM",
            "qwen3_5": "vllm.model_executor.models.qwen3_5.Qwen3_5ForCausalLM",
            "qwen3_5_moe": "vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM"}
+VL_BUILTIN = {"qwen3_5": "vllm.model_executor.models.qwen3_5.Qwen3_5ForConditionalGeneration",
+              "qwen3_5_moe": "vllm.model_executor.models.qwen3_5.Qwen3_5MoeForConditionalGeneration"}
 
 
-def _parity(tmp_path, folder, dtype, kernels, seed):
+def _parity(tmp_path, folder, dtype, kernels, seed, *extra):
     out = tmp_path / f"{dtype}-{kernels}.json"
     rc = parity.main(["--config", "train_configs/debug_hybrid.toml", "--kernels", kernels, "--num-prompts", "6",
                       "--seed", str(seed % 1000), "--json", str(out), "--model.name=auto",
                       f"--model.checkpoint={folder}", f"--model.dtype={dtype}", "--rollout.max_model_len=512",
-                      "--rollout.max_num_seqs=8", "--parity.full_vocab_prompts=2"])
+                      "--rollout.max_num_seqs=8", "--parity.full_vocab_prompts=2", *extra])
     assert rc == 0
     return {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+
+
+@pytest.mark.parametrize("arch", VL_ARCHS)
+def test_a_vision_language_folder_is_bitwise_and_stock_is_vllms_own_form_of_it(tmp_path, arch, seed, monkeypatch):
+    """Qwen3.5 as it is published (transformers' Qwen3_5(Moe)ForConditionalGeneration: the text
+    model under `model.language_model.`, a vision tower beside it, plus an MTP head): both
+    engines read the text model by the trainer's names (the spec's checkpoint_key) and skip
+    the rest, and exact is bitwise on sampled tokens and full-vocab rows; the stock column is
+    vLLM's own class for this form, its vision tower left out (language_model_only)."""
+    monkeypatch.chdir(parity.__file__.rsplit("/titan_rl/", 1)[0])
+    vl_model(seed % 2**31, arch=arch, scale=0.2, stock_shapes=True).save_pretrained(tmp_path / "vl")
+    # published folders also carry a multi-token-prediction head, which transformers' classes
+    # ignore on load and do not write
+    edited_copy(tmp_path / "vl", tmp_path / "hf", edit_tensors=lambda t: t.update({"mtp.fc.weight": torch.ones(8, 16)}))
+    res = _parity(tmp_path, tmp_path / "hf", "bfloat16", "both", seed, "--num-prompts", "4", "--sampling.max_tokens=24")
+    exact, stock = res["exact"], res["stock"]
+    assert exact["tokens"] > 0 and exact["full_vocab_positions"] > 0
+    assert exact["max_abs_dlogp"] == 0 and exact["full_vocab_max_abs_dlogp"] == 0 and exact["bitwise_fraction"] == 1
+    assert exact["contract"]["differs"] == []
+    assert stock["contract"]["engine"]["entries"]["op.gdn_recurrence"] == f"vllm built-in {VL_BUILTIN[arch]}"
+    assert stock["tokens"] == exact["tokens"] and stock["max_abs_dlogp"] > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -322,6 +322,15 @@ def _skip_note(path: Path, skipped: list[str]) -> None:
               file=sys.stderr, flush=True)
 
 
+def _index_map(index_path: Path, key=None) -> dict[str, str]:
+    """The index's weight_map (name -> file) under the names the shards are read with
+    (`key`; the tensors it skips left out), so a vision-language folder's index is checked too."""
+    weight_map = json.loads(index_path.read_text())["weight_map"]
+    if key is None:
+        return weight_map
+    return {k: fn for hf_key, fn in weight_map.items() if (k := key(hf_key)) is not None}
+
+
 def _scan(files: list[Path], path: Path, key=None) -> tuple[dict[str, tuple[int, ...]], dict[str, Path], dict[str, str]]:
     """Names -> shapes / file / stored dtype, from the safetensors headers (no data read).
     `key`: the architecture's HF name -> ours (None: not loaded)."""
@@ -350,8 +359,8 @@ def _scan(files: list[Path], path: Path, key=None) -> tuple[dict[str, tuple[int,
                               "it trains and serves the text model; a vision tower or MTP head alone is not supported")
     _skip_note(path, skipped)
     index_path = path / INDEX_NAME
-    if index_path.is_file() and key is None:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+    if index_path.is_file():
+        weight_map = _index_map(index_path, key)
         wrong = sorted(k for k, fn in weight_map.items() if k not in where or where[k].name != fn)
         unlisted = sorted(k for k in where if k not in weight_map)
         if wrong or unlisted:

@@ -220,7 +220,7 @@ def _builtin_contract(model_config, model: torch.nn.Module) -> Contract:
     linears repack their weights, so the parameters do not show the compute dtype)."""
     hf_config = model_config.hf_config
     arch = hf_config.architectures[0]
-    specs = [s for s in map(get_architecture, list_architectures()) if s.hf_architecture == arch]
+    specs = [s for s in map(get_architecture, list_architectures()) if arch in (s.hf_architecture, *s.hf_aliases)]
     if not specs:
         raise ValueError(f"no titan_rl architecture has the stock HF architecture {arch!r}")
     builtin = f"vllm built-in {type(model).__module__}.{type(model).__qualname__}"

@@ -87,16 +87,33 @@ def hf_model(arch: str, seed: int, *, tied: bool = False, stock_shapes: bool = F
     return model
 
 
-def vl_model(seed: int, *, scale: float = 0.02, **fields):
-    """transformers' Qwen3_5ForConditionalGeneration (a one-block vision tower beside the tiny
-    text model): a folder with `model.language_model.*` and `model.visual.*` tensors."""
-    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+VL_ARCHS = ("qwen3_5", "qwen3_5_moe")  # published as vision-language models
 
-    text = {**ODD, **fields}
-    vision = dict(depth=1, hidden_size=32, intermediate_size=40, num_heads=2, num_position_embeddings=16,
+
+def vl_classes(arch: str):
+    """(config class, model class, extra text config fields) of transformers' vision-language
+    form of `arch` (Qwen3.5's published form)."""
+    if arch == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        return Qwen3_5Config, Qwen3_5ForConditionalGeneration, {}
+    if arch == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+        return Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, MOE
+    raise ValueError(f"arch = {arch!r}: allowed: {list(VL_ARCHS)}")
+
+
+def vl_model(seed: int, *, arch: str = "qwen3_5", scale: float = 0.02, stock_shapes: bool = False, **fields):
+    """transformers' Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration (a
+    one-block vision tower of odd widths beside the tiny text model): a folder with
+    `model.language_model.*` and `model.visual.*` tensors."""
+    config_cls, model_cls, extra = vl_classes(arch)
+    text = {**ODD, **extra, **((STOCK | (STOCK_MOE if extra else {})) if stock_shapes else {}), **fields}
+    vision = dict(depth=1, hidden_size=36, intermediate_size=44, num_heads=2, num_position_embeddings=16,
                   out_hidden_size=text["hidden_size"])
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    model = model_cls(config_cls(text_config=text, vision_config=vision)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

@@ -28,16 +28,6 @@ def text_config(d: dict, model_types: tuple[str, ...]) -> dict:
     return d
 
 
-def text_key(name: str) -> str | None:
-    """A vision-language folder's tensor name -> the text model's (None: the vision tower and
-    the multi-token-prediction head, which titan_rl does not train); a text folder's as is."""
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    if name.startswith(("model.visual.", "mtp.")):
-        return None
-    return name
-
-
 def gdn_widths(cfg) -> dict[str, int]:
     """The widths model.tp_leaves must divide in the unfused GDN projections."""
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim

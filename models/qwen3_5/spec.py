@@ -5,9 +5,10 @@ from __future__ import annotations
 from titan_rl.models.arch_spec import ArchitectureSpec
 from titan_rl.models.options import ModelOptions
 from titan_rl.models.qwen3.config import resolve_config
-from titan_rl.models.qwen3_5.config import FLAVORS, Qwen35Config, text_key
+from titan_rl.models.qwen3_5.config import FLAVORS, Qwen35Config
 from titan_rl.models.qwen3_5.model import Qwen35ForCausalLM
 from titan_rl.models.qwen3_5.parallelize import NO_TP_REASON
+from titan_rl.models.qwen3_next.config import text_key
 
 
 def build(flavor: str | Qwen35Config = "debug_qwen35", options: ModelOptions = ModelOptions(),

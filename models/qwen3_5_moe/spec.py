@@ -5,7 +5,7 @@ from __future__ import annotations
 from titan_rl.models.arch_spec import ArchitectureSpec
 from titan_rl.models.options import ModelOptions
 from titan_rl.models.qwen3.config import resolve_config
-from titan_rl.models.qwen3_5.config import text_key
+from titan_rl.models.qwen3_next.config import text_key
 from titan_rl.models.qwen3_5_moe.config import FLAVORS, Qwen35MoeConfig
 from titan_rl.models.qwen3_5_moe.model import Qwen35MoeForCausalLM
 from titan_rl.models.qwen3_5_moe.parallelize import NO_TP_REASON

@@ -18,6 +18,19 @@ from titan_rl.models.qwen3_hybrid.config import GdnConfig
 from titan_rl.models.qwen3_moe.config import Qwen3MoeConfig
 
 
+def text_key(name: str) -> str | None:
+    """The family's tensor name in a published folder -> ours, in both engines (the
+    architectures' checkpoint_key): a vision-language folder's (Qwen3.5) text model sits
+    under `model.language_model.`; None for the vision tower and the multi-token-prediction
+    head (Qwen3.5's and Qwen3-Next's `mtp.*`), which titan_rl does not train or serve; a
+    text folder's name as is."""
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    if name.startswith(("model.visual.", "mtp.")):
+        return None
+    return name
+
+
 @dataclass(frozen=True)
 class NextLayout:
     """The fields the Qwen3-Next family adds to qwen3's: which layers are GDN, and how much

@@ -6,7 +6,7 @@ from __future__ import annotations
 from titan_rl.models.arch_spec import ArchitectureSpec
 from titan_rl.models.options import ModelOptions
 from titan_rl.models.qwen3.config import resolve_config
-from titan_rl.models.qwen3_next.config import FLAVORS, Qwen3NextConfig
+from titan_rl.models.qwen3_next.config import FLAVORS, Qwen3NextConfig, text_key
 from titan_rl.models.qwen3_next.model import Qwen3NextForCausalLM
 from titan_rl.models.qwen3_next.parallelize import TP_PLAN
 
@@ -25,6 +25,7 @@ SPEC = ArchitectureSpec(
     config_to_hf=lambda cfg, arch: cfg.hf_config(arch),
     vllm_architecture="TitanQwen3NextForCausalLM",
     hf_architecture="Qwen3NextForCausalLM",
+    checkpoint_key=text_key,  # published folders carry the MTP head (mtp.*), not trained
     vllm_class="titan_rl.vllm.hybrid:TitanHybridForCausalLM",
     tp_plan=TP_PLAN,
     recurrent_state=True,

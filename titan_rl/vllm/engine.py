@@ -7,6 +7,9 @@ explicitly; torch's thread count must be set before the engine is built.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from titan_rl.kernels.mode import KernelMode, check_kernels
@@ -63,9 +66,10 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
         use_tqdm_on_load=False,
-        hf_overrides={"architectures": [spec.vllm_architecture if kernels == "exact" else spec.hf_architecture],
-                      **(spec.vllm_overrides if kernels == "exact" else {})},
+        hf_overrides={"architectures": [spec.vllm_architecture], **spec.vllm_overrides},
     )
+    if kernels == "stock":
+        kwargs.update(_stock_architecture(spec, folder))
     if max_num_batched_tokens is not None:
         kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
     if spec.recurrent_state and enable_prefix_caching:
@@ -87,6 +91,21 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         kwargs.update(quantization="torchao")
         kwargs["hf_overrides"]["quantization_config_dict_json"] = _torchao_config_json(STOCK_QUANTIZATION[quantization])
     return LLM(**kwargs)
+
+
+def _stock_architecture(spec, folder: str) -> dict:
+    """The LLM arguments that pick vLLM's built-in class for the stock engine: the stock
+    architecture (`hf_architecture`), or for a folder of one of its `hf_aliases` (Qwen3.5 as
+    published: a vision-language model) vLLM's class for that form with the vision tower left
+    out (`language_model_only`), as vLLM serves such a folder; its text class cannot read one."""
+    from titan_rl.checkpoint import CONFIG_NAME
+
+    cfg_path = Path(folder) / CONFIG_NAME
+    archs = (json.loads(cfg_path.read_text()).get("architectures") or []) if cfg_path.is_file() else []
+    alias = next((a for a in archs if a in spec.hf_aliases), None)
+    if alias is None:
+        return {"hf_overrides": {"architectures": [spec.hf_architecture]}}
+    return {"hf_overrides": {"architectures": [alias]}, "language_model_only": True}
 
 
 def _llm_in_own_process(kwargs: dict, exact_sampling: str):

@@ -99,6 +99,9 @@ class TitanForCausalLM(nn.Module):
         net = spec.build(cfg, ModelOptions.from_hf(hf.to_dict(), kernels="exact"))
         self._tp_rank, self._tp, self._tp_split = _shard_for_tp(net, spec, vllm_config)
         self.cfg, self.options = cfg, net.options
+        # a folder's tensor name -> ours (None: not served), the trainer's mapping
+        # (ArchitectureSpec.checkpoint_key): a vision-language folder's text model
+        self._checkpoint_key = spec.checkpoint_key
         self.model, self.lm_head = net.model, net.lm_head
         object.__setattr__(self, "_net", net)  # not a submodule: no duplicate parameter names
         self._lm_head_prepared: torch.Tensor | None = None
@@ -139,10 +142,16 @@ class TitanForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Strict: unknown names and wrong shapes raise, naming the key. Weights are the
-        full (unsharded) tensors; under TP each rank keeps its slice."""
+        full (unsharded) tensors; under TP each rank keeps its slice. Names are read as the
+        trainer reads them (the architecture's checkpoint_key): a vision-language folder's
+        `model.language_model.*` is the text model, its vision tower and MTP head are skipped
+        (the trainer's load says so in one line)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for hf_name, tensor in weights:
+            name = hf_name if self._checkpoint_key is None else self._checkpoint_key(hf_name)
+            if name is None:
+                continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
             if name in self._quantized:

@@ -101,7 +101,9 @@ def _stock_hooks(model, k: int, cap: "_Capture"):
         return hook
 
     def pre(_mod, args, kwargs):
-        step["positions"] = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        # a vision-language model's M-RoPE positions are [3, T]: for text all three are equal
+        step["positions"] = positions[0] if positions is not None and positions.ndim == 2 else positions
         step["logits"] = {}
 
     def post(_mod, _args, _kwargs, _out):
@@ -131,7 +133,8 @@ def capture_routes(llm):
         model.route_sink = cap
         handles = []
     else:
-        hf = runner.model_config.hf_config
+        # the text model's config (a vision-language folder's sits under text_config)
+        hf = runner.model_config.hf_text_config
         handles = _stock_hooks(model, int(hf.num_experts_per_tok), cap)
     try:
         yield cap.record
