@@ -41,9 +41,11 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
-def threads(request):
-    """Run the test at torch thread counts 1 and 2 (invariance must hold at both), set for
-    real (tests/_threads.py)."""
+def at_1_and_2_threads(request):
+    """Run the test once at 1 torch thread and once at 2, set for real (tests/_threads.py): each
+    run checks its own invariance (rows, batches, chunks) at that count. It does not compare
+    the two runs: the cross-count comparisons are tests/test_invariance_guard.py's
+    `_at_threads` tests (kernels, backward GEMMs, a training step of every architecture)."""
     with thread_count(request.param):
         yield request.param
 

@@ -90,7 +90,7 @@ def test_dense_matches_reference(D, G, dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("D,G", LAYOUTS)
-def test_row_alone_equals_row_in_batches_of_1_to_64(D, G, dtype, threads, rng):
+def test_row_alone_equals_row_in_batches_of_1_to_64(D, G, dtype, at_1_and_2_threads, rng):
     r = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
     lens = [r.randint(1, 40) for _ in range(64)]
     seqs = _seqs(rng, lens, 2, G, D, dtype)
@@ -111,7 +111,7 @@ def test_row_alone_equals_row_in_batches_of_1_to_64(D, G, dtype, threads, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("D,G", [(64, 2), (128, 8)])
-def test_every_prefill_decode_split_equals_dense(D, G, dtype, threads, rng):
+def test_every_prefill_decode_split_equals_dense(D, G, dtype, at_1_and_2_threads, rng):
     L = 37
     seqs = _seqs(rng, [L], 2, G, D, dtype)
     q, k, v = seqs[0]
@@ -124,7 +124,7 @@ def test_every_prefill_decode_split_equals_dense(D, G, dtype, threads, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_chunked_prefill_and_prefix_cache_hits_equal_dense(dtype, threads, rng):
+def test_chunked_prefill_and_prefix_cache_hits_equal_dense(dtype, at_1_and_2_threads, rng):
     r = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
     D, G, page = 128, 4, 32
     lens = [150, 150, 97]

@@ -158,7 +158,7 @@ def test_index_topk_tie_rule_lowest_position_wins():
     assert sel.tolist() == list(range(k))
 
 
-def test_index_topk_rows_are_invariant(rng, threads):
+def test_index_topk_rows_are_invariant(rng, at_1_and_2_threads):
     for dtype in DTYPES:
         seqs = Seqs(rng, dtype, page=32 if dtype == torch.bfloat16 else 16)
         base = None
@@ -190,7 +190,7 @@ def test_sparse_attention_matches_reference(rng, dtype):
     torch.testing.assert_close(eager.float(), ref.float(), atol=ATTN_ATOL[dtype] * scale, rtol=0)
 
 
-def test_sparse_attention_rows_are_invariant(rng, threads):
+def test_sparse_attention_rows_are_invariant(rng, at_1_and_2_threads):
     for dtype in DTYPES:
         seqs = Seqs(rng, dtype, page=32)
         every = [(s, p) for s, n in enumerate(seqs.lens) for p in range(n)]
@@ -225,7 +225,7 @@ def test_sparse_attention_gradient_is_the_eager_functions(rng):
 
 
 @pytest.mark.parametrize("width", [24, 200])
-def test_layer_norm_matches_reference_and_rows_are_invariant(rng, width, threads):
+def test_layer_norm_matches_reference_and_rows_are_invariant(rng, width, at_1_and_2_threads):
     for dtype in DTYPES:
         x = (torch.randn(70, width, generator=rng) * 2 + 0.5).to(dtype)
         w, b = torch.randn(width, generator=rng).to(dtype), torch.randn(width, generator=rng).to(dtype)

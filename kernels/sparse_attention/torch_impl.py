@@ -19,11 +19,14 @@ from titan_rl.kernels.cpu_ext import ops as _ops
 def selected_rows(cache: torch.Tensor, block_table: torch.Tensor, row_seq: torch.Tensor, indices: torch.Tensor
                   ) -> torch.Tensor:
     """[T, K, W]: the cache rows of each row's selected positions (-1 entries read position 0;
-    callers mask them)."""
+    callers mask them). By index_select, whose backward is index_add_ (rows added in index
+    order): indexing's backward, index_put_ with accumulate, summed the many queries' gradients
+    of a shared key in an order that changed with the thread count (GLM-5's training step
+    differed at 1 and 2 threads: tests/test_invariance_guard.py)."""
     P, page, W = cache.shape
     pos = indices.clamp(min=0)
     slot = block_table.long()[row_seq.long()[:, None], pos // page] * page + pos % page
-    return cache.reshape(P * page, W)[slot]
+    return cache.reshape(P * page, W).index_select(0, slot.reshape(-1)).view(*slot.shape, W)
 
 
 def sparse_attention_eager(q, cache, block_table, row_seq, indices, scale: float, dv: int) -> torch.Tensor:
