@@ -525,7 +525,8 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
         scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
         CLIP_SCALES.append(float(scale))
         for p in m.parameters():
-            p.grad.mul_(scale.to(p.grad.dtype))
+            if p.grad is not None:  # GLM-5's indexers and selection biases take no gradient
+                p.grad.mul_(scale.to(p.grad.dtype))
         opt.step()
         opt.zero_grad()
     return {n: full(p).detach().clone() for n, p in m.named_parameters()}
@@ -539,7 +540,8 @@ def run_det_fsdp(res: dict) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "solo"))
     cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
              ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None),
-             ("next", "qwen3_next", "debug_qwen3_next", None), ("q35", "qwen3_5", "debug_qwen35", None)]
+             ("next", "qwen3_next", "debug_qwen3_next", None), ("q35", "qwen3_5", "debug_qwen35", None),
+             ("q35moe", "qwen3_5_moe", "debug_qwen35_moe", None), ("glm5", "glm_moe_dsa", "debug_glm5", None)]
     for tag, arch, flavor, dtype in cases:
         init = {n: p.detach().clone() for n, p in
                 model_config(arch, flavor, init_seed=SEED).build().init_weights().named_parameters()}
