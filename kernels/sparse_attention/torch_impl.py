@@ -6,7 +6,8 @@ positions, in ascending order: scores as fixed FMA chains, max, the polynomial e
 in 16 lanes and a tree, the value sum in position order, fp32 throughout, one rounding at
 the end. Its bits depend on nothing else (not the batch, not the chunking, not the thread
 count). The backward (trainer only) is the gradient of the same function in eager torch,
-recomputed (`sparse_attention_eager`), as the dense attention recomputes with SDPA.
+recomputed (`sparse_attention_eager`), as the dense attention recomputes with SDPA: the same bits
+on every rerun and thread count (`_GatherRows`), not across batch compositions.
 """
 
 from __future__ import annotations
@@ -16,23 +17,58 @@ import torch
 from titan_rl.kernels.cpu_ext import ops as _ops
 
 
+class _GatherRows(torch.autograd.Function):
+    """flat [N, W] rows at slot [T, K]. The backward adds each gathered row's gradient into its
+    slot with index_add_ (on CPU a serial loop over the index: a fixed order), where advanced
+    indexing's backward accumulates with atomic adds across threads, an order that changes from
+    run to run (a cached position read by several rows got different bits at 2 threads)."""
+
+    @staticmethod
+    def forward(ctx, flat, slot):
+        ctx.save_for_backward(slot)
+        ctx.n = flat.shape[0]
+        return flat[slot]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot,) = ctx.saved_tensors
+        W = grad.shape[-1]
+        return grad.new_zeros(ctx.n, W).index_add_(0, slot.reshape(-1), grad.reshape(-1, W)), None
+
+
 def selected_rows(cache: torch.Tensor, block_table: torch.Tensor, row_seq: torch.Tensor, indices: torch.Tensor
                   ) -> torch.Tensor:
     """[T, K, W]: the cache rows of each row's selected positions (-1 entries read position 0;
-    callers mask them)."""
+    callers mask them). Its gradient is deterministic (`_GatherRows`)."""
     P, page, W = cache.shape
     pos = indices.clamp(min=0)
     slot = block_table.long()[row_seq.long()[:, None], pos // page] * page + pos % page
-    return cache.reshape(P * page, W)[slot]
+    flat = cache.reshape(P * page, W)
+    if torch.is_grad_enabled() and flat.requires_grad:
+        return _GatherRows.apply(flat, slot)
+    return flat[slot]
+
+
+def _probabilities(q, rows, indices, scale: float) -> torch.Tensor:
+    """fp32 [T, H, K]: each head's softmax over its row's selected keys (0 at -1 entries)."""
+    s = torch.einsum("thd,tkd->thk", q.float(), rows[..., : q.shape[-1]]) * scale
+    valid = (indices >= 0)[:, None, :]
+    return torch.softmax(s.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0)  # a row with no key: zeros
 
 
 def sparse_attention_eager(q, cache, block_table, row_seq, indices, scale: float, dv: int) -> torch.Tensor:
     """The same function in plain torch (fp32): the backward's, and the stock mode's."""
     rows = selected_rows(cache, block_table, row_seq, indices).float()
-    s = torch.einsum("thd,tkd->thk", q.float(), rows[..., : q.shape[-1]]) * scale
-    valid = (indices >= 0)[:, None, :]
-    p = torch.softmax(s.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0)  # a row with no key: zeros
+    p = _probabilities(q, rows, indices, scale)
     return torch.einsum("thk,tkd->thd", p, rows[..., :dv]).to(q.dtype)
+
+
+@torch.no_grad()
+def attention_target(q, cache, block_table, row_seq, indices, scale: float) -> torch.Tensor:
+    """fp32 [T, K]: the attention's distribution over each row's selected keys, summed over
+    heads and L1-normalised (the indexer loss's target, DeepSeek-V3.2 / GLM-5; no gradient)."""
+    p = _probabilities(q, selected_rows(cache, block_table, row_seq, indices).float(), indices, scale).sum(1)
+    return p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
 
 
 class _SparseAttention(torch.autograd.Function):
