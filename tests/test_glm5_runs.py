@@ -47,15 +47,17 @@ def test_the_issue_command_is_bitwise_with_a_nonzero_stock_column(tmp_path, seed
     assert 0 <= stock["index_disagreement"] <= 1 and stock["indexed_positions"] == exact["indexed_positions"]
 
 
-def test_rl_with_a_frozen_indexer_and_index_replay_has_zero_mismatch(tmp_path):
-    """The record travels and is applied without breaking bitwise RL. The trainer's own sets
-    equal the engine's here, so this run cannot show the override is used: test_glm5_vllm's
-    test_the_rl_step_scores_the_samplers_policy_only_with_both_replays_on_a_perturbed_trainer does."""
+@pytest.mark.parametrize("freeze", ["true", "false"])
+def test_rl_with_index_replay_has_zero_mismatch_with_the_indexer_frozen_or_trained(tmp_path, freeze):
+    """The record travels and is applied without breaking bitwise RL, with the indexer frozen or
+    trained by its loss (logged as indexer_loss; its moved weights reach the engine). The
+    trainer's own sets equal the engine's here, so this run cannot show the override is used:
+    test_glm5_vllm's test_the_rl_step_scores_the_samplers_policy_only_with_both_replays_on_a_perturbed_trainer does."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "titan_rl.train", "--config", "train_configs/rl_debug_glm5.toml", "--run-dir", str(run),
            "--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.prompts_per_step=2",
            "--algorithm.group_size=4", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false",
-           "--rollout.index_selection=replay"]
+           "--rollout.index_selection=replay", f"--model.freeze_indexer={freeze}"]
     r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
                        cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -67,3 +69,4 @@ def test_rl_with_a_frozen_indexer_and_index_replay_has_zero_mismatch(tmp_path):
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"], m
         assert m["index_disagreement"] == 0.0 and m["expert_disagreement"] == 0.0, m
         assert m["index_bytes_per_token"] == 96, m  # 3 indexer layers x 16 positions x int16
+        assert ("indexer_loss" in m) == (freeze == "false") and m.get("indexer_loss", 1) > 0, m

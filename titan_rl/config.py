@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import difflib
 import types
 import typing
@@ -49,8 +50,10 @@ class ModelConfig:
     tp_leaves: int = 0  # >0: fixed leaf tree for TP-invariant linears (8 covers TP 1/2/4/8)
     # "stock": plain torch trainer + vLLM's built-in engine (to measure what exactness removes)
     kernels: KernelMode = "exact"
-    # sparse-attention models (GLM-5): no gradient to the indexers' parameters (GLM-5's RL setting)
+    # sparse-attention models (GLM-5): no gradient to the indexers' parameters (GLM-5's RL setting);
+    # false: they are trained by the indexer loss (docs/glm5.md), added x indexer_loss_coef
     freeze_indexer: bool = False
+    indexer_loss_coef: float = 1.0
 
 
 @dataclass
@@ -326,8 +329,13 @@ def validate(cfg: Config) -> None:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
                               f"model.name = {cfg.model.name!r} (flavor {cfg.model.flavor!r}) has no router")
+    coef = cfg.model.indexer_loss_coef
+    if not (math.isfinite(coef) and coef > 0):
+        raise ConfigError(f"model.indexer_loss_coef = {coef!r}: must be a finite number > 0 (to leave the indexers "
+                          f"untrained, set model.freeze_indexer = true)")
     for key, value, default in (("rollout.index_selection", cfg.rollout.index_selection, "pinned"),
-                                ("model.freeze_indexer", cfg.model.freeze_indexer, False)):
+                                ("model.freeze_indexer", cfg.model.freeze_indexer, False),
+                                ("model.indexer_loss_coef", coef, 1.0)):
         if value != default and not spec.sparse_attention:
             raise ConfigError(f"{key} = {value!r} needs a sparse-attention model (an indexer); model.name = "
                               f"{cfg.model.name!r} has none")

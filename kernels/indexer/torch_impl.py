@@ -9,7 +9,9 @@ many rows share the call, how a prompt was cut into prefill chunks, decoding, pr
 hits or the thread count. The set comes back ascending and padded with -1: a canonical form
 both engines, the replay record and the comparisons share.
 
-No gradient: a selection is discrete (transformers' indexer runs under no_grad too).
+No gradient through the selection: it is discrete (transformers' indexer runs under no_grad
+too). The indexer is trained, when it is, by its own loss over the selected keys
+(`index_log_probs`, models/glm_moe_dsa `indexer_loss`).
 """
 
 from __future__ import annotations
@@ -35,3 +37,13 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, bloc
     position) -> int64 [T, topk]: each row's selected positions, ascending, -1 padded."""
     return _ops().indexer_topk(q.detach(), weights.detach().float(), cache.detach(), block_table, row_seq, row_pos,
                                key_off, scale, topk)
+
+
+def index_log_probs(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D], weights [T, H], keys [T, K, D] (each row's selected keys), valid [T, K] ->
+    fp32 [T, K]: log of the softmax of the index scores sum_h w_h relu(scale q_h . k_j) over
+    each row's valid keys (-inf elsewhere). Plain torch, differentiable: the indexer loss's."""
+    s = torch.relu(torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale)
+    scores = torch.einsum("th,thk->tk", weights.float(), s)
+    return torch.log_softmax(scores.masked_fill(~valid, float("-inf")), -1)

@@ -24,7 +24,8 @@ Parameter names are transformers' (`model.layers.N.self_attn.indexer.wq_b.weight
 After each forward: `last_indices` / `last_own_indices` (per indexer layer, the [T, topk]
 positions used / chosen by the indexer; they differ only under index replay), `last_routes` /
 `last_own_routes` (per MoE layer, the experts), `aux_loss` (0: GLM-5 balances experts with the
-correction bias, not a loss). Replay: `set_index_override` / `set_route_override`.
+correction bias, not a loss), `indexer_loss` (the indexers' own loss when they are trained, else
+None). Replay: `set_index_override` / `set_route_override`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from titan_rl.kernels.indexer.torch_impl import index_log_probs
 from titan_rl.kernels.moe import compact_routes, moe_experts, router_sigmoid_topk
+from titan_rl.kernels.sparse_attention.torch_impl import attention_target, selected_rows
 from titan_rl.models.layers import Linear, RMSNorm
 from titan_rl.models.ops import Ops
 from titan_rl.models.options import ModelOptions
@@ -108,9 +111,10 @@ class LayerNorm(nn.Module):
 class Indexer(nn.Module):
     """The lightning indexer (transformers' GlmMoeDsaIndexer): per token Hi query heads from
     the q latent, one key, and per-head weights; score_j = sum_h w_h relu(q_h . k_j / sqrt(Di)).
-    Its first qk_rope_head_dim channels carry interleaved RoPE. No gradient reaches it: the
-    selection is discrete (and `model.freeze_indexer` takes its parameters out of the optimizer:
-    titan_rl/titan/build.py)."""
+    Its first qk_rope_head_dim channels carry interleaved RoPE. The policy's loss does not reach
+    it (the selection is discrete, and it reads detached inputs); when its parameters take
+    gradients (`model.freeze_indexer = false`) it is trained by its own loss
+    (`MLAttention.indexer_loss`), else they are frozen (titan_rl/titan/build.py)."""
 
     def __init__(self, cfg: GlmDsaConfig, ops: Ops):
         super().__init__()
@@ -125,16 +129,15 @@ class Indexer(nn.Module):
         r = self.rope_dim
         return torch.cat([interleaved_rope(self.ops, x[..., :r], positions, self.theta), x[..., r:]], -1)
 
-    @torch.no_grad()
     def key(self, x, positions) -> torch.Tensor:
-        """[T, Di] in x's dtype: the token's indexer key (LayerNorm, then RoPE)."""
+        """[T, Di] in x's dtype: the token's indexer key (LayerNorm, then RoPE). Callers pass x
+        detached: a gradient reaches the indexer's parameters only."""
         k = self.k_norm(self.wk(x))
         return self._rope_first(k.unsqueeze(1), positions).squeeze(1)
 
-    @torch.no_grad()
     def queries(self, x, q_latent, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [T, Hi, Di] in x's dtype, head weights fp32 [T, Hi] = weights_proj(x) / sqrt(Hi),
-        computed in fp32 as transformers keeps weights_proj)."""
+        computed in fp32 as transformers keeps weights_proj). Inputs detached, as `key`'s."""
         T = x.shape[0]
         q = self._rope_first(self.wq_b(q_latent).view(T, self.h, self.d), positions)
         w = self.ops.linear(x.float(), self.weights_proj.weight.float()) * self.h ** -0.5
@@ -167,6 +170,7 @@ class MLAttention(nn.Module):
         # replay: positions [T, topk] to attend to instead of the indexer's (a row starting with -1: its own)
         self.index_override: torch.Tensor | None = None
         self.last_indices = self.last_own_indices = None
+        self.indexer_loss: torch.Tensor | None = None
 
     def per_head(self) -> tuple[list, list]:
         """kv_b_proj's rows per head are [k_nope (nope) | v (v_head_dim)]: the absorbed form's
@@ -185,12 +189,12 @@ class MLAttention(nn.Module):
         c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora])
         k_pe = interleaved_rope(self.ops, kv[:, None, self.kv_lora:], positions, self.theta)[:, 0]
         parts = [c_kv, k_pe]
-        if self.indexer is not None:
-            parts.append(self.indexer.key(x, positions))
+        if self.indexer is not None:  # detached inputs: the indexer's own loss trains only the indexer
+            parts.append(self.indexer.key(x.detach(), positions))
         view = cache.store(self.layer_idx, torch.cat(parts, -1))
 
         if self.indexer is not None:
-            qi, wi = self.indexer.queries(x, q_latent, positions)
+            qi, wi = self.indexer.queries(x.detach(), q_latent.detach(), positions)
             own = self.ops.index_topk(qi, wi, view.cache, view.block_table, view.row_seq, view.row_pos,
                                       self.kv_lora + self.rope_dim, self.index_scale, self.topk)
         else:
@@ -213,10 +217,26 @@ class MLAttention(nn.Module):
 
         w_uk_t, w_uv = self.per_head()
         q_lat = torch.stack([self.ops.linear(q_nope[:, h], w_uk_t[h]) for h in range(self.h)], 1)
-        o_lat = self.ops.sparse_attention(torch.cat([q_lat, q_pe], -1), view.cache, view.block_table, view.row_seq,
-                                          used, self.scale, self.kv_lora)
+        q_attn = torch.cat([q_lat, q_pe], -1)
+        o_lat = self.ops.sparse_attention(q_attn, view.cache, view.block_table, view.row_seq, used, self.scale,
+                                          self.kv_lora)
+        # qi carries a graph only when the indexer's parameters take gradients (and grad is on)
+        trained = self.indexer is not None and qi.requires_grad
+        self.indexer_loss = self._indexer_loss(qi, wi, q_attn, view, used) if trained else None
         o = torch.cat([self.ops.linear(o_lat[:, h], w_uv[h]) for h in range(self.h)], -1)
         return self.o_proj(o), used
+
+    def _indexer_loss(self, qi, wi, q_attn, view: KeyView, used) -> torch.Tensor:
+        """DeepSeek-V3.2's / GLM-5's indexer loss: per row KL(p || softmax(index scores)) over the
+        keys attention read, p = the attention's probabilities summed over heads, L1-normalised
+        and detached; the mean over rows. Its gradient reaches the indexer's parameters only
+        (its query and weights from detached inputs; its keys, channels of the cache rows, too)."""
+        target = attention_target(q_attn.detach(), view.cache, view.block_table, view.row_seq, used, self.scale)
+        off = self.kv_lora + self.rope_dim
+        keys = selected_rows(view.cache, view.block_table, view.row_seq, used)[..., off:off + self.indexer.d]
+        valid = used >= 0
+        log_q = index_log_probs(qi, wi, keys, valid, self.index_scale).masked_fill(~valid, 0.0)  # -inf at padding
+        return (torch.xlogy(target, target) - target * log_q).sum(-1).mean()
 
     def prepare_for_engine(self) -> list[nn.Module]:
         from titan_rl.kernels import gemm_weight
@@ -301,6 +321,7 @@ class GlmMoeDsaForCausalLM(Qwen3ForCausalLM):
     last_own_indices: list[torch.Tensor] | None = None
     last_routes: list[torch.Tensor] | None = None
     last_own_routes: list[torch.Tensor] | None = None
+    indexer_loss: torch.Tensor | None = None  # mean over the indexer layers; None when they are not trained
 
     def __init__(self, cfg: GlmDsaConfig, options: ModelOptions = ModelOptions()):
         nn.Module.__init__(self)
@@ -349,10 +370,13 @@ class GlmMoeDsaForCausalLM(Qwen3ForCausalLM):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        used, indices, own_indices = None, [], []
+        used, indices, own_indices, indexer_losses = None, [], [], []
         for layer in self.model.layers:
             x, used = layer(x, positions, cache, used)
             attn = layer.self_attn
+            if attn.indexer_loss is not None:
+                indexer_losses.append(attn.indexer_loss)
+                attn.indexer_loss = None
             if attn.indexer is not None:
                 n = self.cfg.max_position_embeddings
                 indices.append(compact_indices(attn.last_indices, n))
@@ -366,6 +390,7 @@ class GlmMoeDsaForCausalLM(Qwen3ForCausalLM):
         for b in blocks:
             b.last_ids = b.last_own_ids = None
         self.aux_loss = x.new_zeros((), dtype=torch.float32)
+        self.indexer_loss = torch.stack(indexer_losses).mean() if indexer_losses else None
         return self.model.norm(x)
 
     # -- the trainer's batched forward -----------------------------------------------------

@@ -185,6 +185,8 @@ class RLTrainer(Trainer):
         if self.is_moe:
             self.model.set_route_override(None)
             metrics["aux_loss"] = self.plan.piece_mean(update["auxes"])  # included in "loss"
+        if update["indexer_losses"]:  # trained indexers (model.freeze_indexer = false)
+            metrics["indexer_loss"] = self.plan.piece_mean(update["indexer_losses"])  # x coef in "loss"
         t0 = time.perf_counter()
         same = self.engine.sync(self.step)
         times["weight_sync"], times["rollout"] = time.perf_counter() - t0, t_roll
@@ -218,7 +220,7 @@ class RLTrainer(Trainer):
         routes into it."""
         a = self.rl.algorithm
         loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
-        logps, losses, auxes, stats_of_pieces, lag = [], [], [], [], float("-inf")
+        logps, losses, auxes, indexer_losses, stats_of_pieces, lag = [], [], [], [], [], float("-inf")
         for j, rows in enumerate(pieces):
             t0 = time.perf_counter()
             logp = self._score(b, rows, own)
@@ -239,6 +241,8 @@ class RLTrainer(Trainer):
             losses.append(loss.detach())
             if self.is_moe:
                 auxes.append(self.model.aux_loss.detach())
+            if self.is_sparse and self.model.indexer_loss is not None:
+                indexer_losses.append(self.model.indexer_loss.detach())
             stats_of_pieces.append((stats["clip_fraction"], int(b.loss_mask[s].sum())))
             lag = max(lag, stats["log_ratio_abs_max"])
         if own is not None and len(pieces) > 1:
@@ -247,8 +251,8 @@ class RLTrainer(Trainer):
         step_loss = self.plan.step_sum(losses)
         grad_norm = self._optimizer_step(step_loss)
         times["optimizer"] += time.perf_counter() - t0
-        return {"loss": step_loss, "grad_norm": grad_norm, "auxes": auxes, "pieces": stats_of_pieces, "lag": lag,
-                "logp": torch.cat(logps)}
+        return {"loss": step_loss, "grad_norm": grad_norm, "auxes": auxes, "indexer_losses": indexer_losses,
+                "pieces": stats_of_pieces, "lag": lag, "logp": torch.cat(logps)}
 
     def _score(self, b: ScoredBatch, rows: range, own: list | None) -> torch.Tensor:
         """log pi [len(rows), L - 1] of the sampled tokens of `rows` under the policy the
@@ -386,10 +390,15 @@ class RLTrainer(Trainer):
         return out
 
     def _aux_loss(self):
-        """MoE: router_aux_loss_coef x the load-balancing loss of the last forward; 0 otherwise."""
-        if not self.is_moe or self.model.aux_loss is None:
-            return 0.0
-        return self.model.cfg.router_aux_loss_coef * self.model.aux_loss
+        """The last forward's auxiliary losses: MoE, router_aux_loss_coef x the load-balancing
+        loss; sparse attention with trained indexers, model.indexer_loss_coef x the indexer loss
+        (its gradient reaches the indexers only); 0 otherwise."""
+        loss = 0.0
+        if self.is_moe and self.model.aux_loss is not None:
+            loss = self.model.cfg.router_aux_loss_coef * self.model.aux_loss
+        if self.is_sparse and self.model.indexer_loss is not None:
+            loss = loss + self.rl.model.indexer_loss_coef * self.model.indexer_loss
+        return loss
 
     def _optimizer_step(self, loss: float) -> float:
         """Clip by the global grad norm and step (the LR schedule advances once per training
