@@ -137,9 +137,9 @@ _QUANT = ["packed_qkv", "packed_gate_up", "gemm_weight"]
 PREPARED_CASES = {
     ("qwen3", "debug", "none"): _DENSE,
     ("llama", "debug", "none"): _DENSE,
-    ("qwen3_moe", "debug_moe", "none"): _DENSE,
+    ("qwen3_moe", "debug_moe", "none"): [*_DENSE, "gate.gemm_weight"],  # the router's (N < 16: padded)
     ("qwen3_hybrid", "debug_hybrid", "none"): _DENSE,
-    ("qwen3_next", "debug_qwen3_next", "none"): _DENSE,
+    ("qwen3_next", "debug_qwen3_next", "none"): [*_DENSE, "shared_expert_gate.gemm_weight"],  # N = 1
     ("qwen3_5", "debug_qwen35", "none"): _DENSE,
     ("qwen3_5_moe", "debug_qwen35_moe", "none"): _DENSE,
     ("glm_moe_dsa", "debug_glm5", "none"): ["absorbed.w_uk_t", "absorbed.w_uv", "packed_gate_up", "gemm_weight",
@@ -228,3 +228,38 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
     assert "\n" not in str(e.value)
     monkeypatch.undo()
     assert any(not torch.equal(a, b) for a, b in zip(clean, _sample(link)[0].mu)), f"{name}: the forward did not move"
+
+
+def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_path, monkeypatch):
+    """rollout.placement = "separate": the engine checks in its own process (the worker
+    extension's titan_verify_weights). Its fused q/k/v, then its LM head copy, changed there
+    (titan_corrupt_operand) after it loaded a transfer: the run stops naming the operand, in
+    one line. Untouched syncs pass before each."""
+    from titan_rl.rl.separate_engines import SeparateEngines
+
+    cfg = config.load(None, [*SMALL, "--rollout.placement=separate", "--model.dtype=\"bfloat16\""])
+    model = get_architecture(cfg.model.name).build(cfg.model.flavor, cfg.model_options()).init_weights(1, 0.05)
+    model = model.to(torch.bfloat16)
+    link = SeparateEngines(cfg, str(tmp_path), model, torch.bfloat16, Ranks(), "collective")
+    try:
+        link._start(1)
+        for step, name in [(2, "model.layers.0.self_attn.packed_qkv"), (4, "lm_head.prepared")]:
+            assert link.sync(step=step - 1) is True
+            e = link.engines[0]
+            real = e.sender.send_state
+
+            def send_then_corrupt(*args, _real=real, _e=e, _name=name):
+                sent = _real(*args)  # the engine has loaded it: now its prepared copy is changed
+                _e.llm.collective_rpc("titan_corrupt_operand", args=(_name,))
+                return sent
+
+            monkeypatch.setattr(e.sender, "send_state", send_then_corrupt)
+            with pytest.raises(RunStopped, match=rf"^weights after the weight sync of step {step}: engine 0 holds other "
+                                                 rf"weights than the trainer's forward uses: {name.replace('.', '[.]')} "
+                                                 r"\(sha256 of what each side multiplies by, computed in each process\)"
+                               ) as err:
+                link.sync(step=step)
+            assert "\n" not in str(err.value)
+            monkeypatch.undo()
+    finally:
+        link.close()
