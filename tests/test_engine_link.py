@@ -97,6 +97,8 @@ def test_a_sync_that_leaves_the_engine_other_weights_stops_naming_the_tensor(tmp
     assert link.sync(step=1) is True  # the engine holds exactly the trainer's forward operands
     bad = "model.layers.2.mlp.up_proj.weight"
     named = [bad]
+    if engine_model(link.llm).get_submodule(bad.removesuffix(".weight")).packed_rows is not None:
+        named.insert(0, "model.layers.2.mlp.packed_gate_up")  # the quantized GEMM's fused operand it is read from
     real = TitanForCausalLM.load_weights
 
     def corrupting_load(self, weights):
@@ -106,7 +108,6 @@ def test_a_sync_that_leaves_the_engine_other_weights_stops_naming_the_tensor(tmp
             if mod.packed_rows is not None:  # the quantized GEMM reads its packed payload: its (row 0, k 0) code
                 pq, start, _ = mod.packed_rows
                 pq.packed[start // 32, 0, 2 * (start % 32)] ^= 1  # fp8 layout: [block][k-pair][column][k parity]
-                named.insert(0, "model.layers.2.mlp.packed_gate_up")  # the fused [gate; up] operand it is part of
             elif mod.qweight is not None:  # quantized, dense form: one payload element of the engine's own copy
                 mod.qweight.payload.view(torch.uint8).view(-1)[7] ^= 1
             else:
@@ -137,7 +138,7 @@ _QUANT = ["packed_qkv", "packed_gate_up", "gemm_weight"]
 PREPARED_CASES = {
     ("qwen3", "debug", "none"): _DENSE,
     ("llama", "debug", "none"): _DENSE,
-    ("qwen3_moe", "debug_moe", "none"): [*_DENSE, "gate.gemm_weight"],  # the router's (N < 16: padded)
+    ("qwen3_moe", "debug_moe", "none"): _DENSE,
     ("qwen3_hybrid", "debug_hybrid", "none"): _DENSE,
     ("qwen3_next", "debug_qwen3_next", "none"): [*_DENSE, "shared_expert_gate.gemm_weight"],  # N = 1
     ("qwen3_5", "debug_qwen35", "none"): _DENSE,
@@ -216,7 +217,7 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
 
     def corrupting_load(self, weights):
         loaded = real(self, weights)
-        corrupt_operand(self, name)
+        corrupt_operand(self._net, name, self._lm_head_prepared)
         return loaded
 
     monkeypatch.setattr(TitanForCausalLM, "load_weights", corrupting_load)
@@ -263,3 +264,38 @@ def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_p
             monkeypatch.undo()
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("arch, flavor", sorted({(c[0], c[1]) for c in PREPARED_CASES}))
+def test_every_prepared_operand_is_read_by_the_forward(arch, flavor):
+    """No prepared copy is dead weight the checksum would vouch for: for each role (the operand
+    names with their layer / expert / head index dropped) of the engine's prepared model (the
+    vLLM wrapper's net, prepared by models.layers.prepare_for_engine), one changed element of
+    one of its operands moves the forward's logits. The LM head's copy is the wrapper's (the
+    test above)."""
+    import re
+
+    from titan_rl.checkpoint import operand_digests
+    from titan_rl.models.layers import held_operands, prepare_for_engine
+    from titan_rl.rl.engine_worker import corrupt_operand
+
+    net = get_architecture(arch).build(flavor).init_weights(2, 0.05).to(torch.bfloat16).eval()
+    prepare_for_engine(net)
+    tokens = torch.arange(3, 43).view(1, 40)  # longer than GLM-5 debug's index_topk: the indexer selects
+    with torch.no_grad():
+        base = net(tokens)
+    roles = {}
+    for n, op in held_operands(net):
+        for leaf in operand_digests(n, op):
+            roles.setdefault(re.sub(r"\.\d+(?=\.|$)", ".N", leaf), []).append(leaf)
+
+    def moves(leaf: str) -> bool:
+        corrupt_operand(net, leaf)
+        with torch.no_grad():
+            moved = not torch.equal(net(tokens), base)
+        prepare_for_engine(net)
+        return moved
+
+    assert roles
+    for role, leaves in roles.items():  # the first that moves (an expert these tokens route to)
+        assert any(moves(leaf) for leaf in leaves), f"{role}: prepared, hashed, and never read by the forward"

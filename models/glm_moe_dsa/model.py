@@ -121,6 +121,10 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.d, 1e-6, ops)
         self.weights_proj = Linear(cfg.hidden_size, self.h, ops)
 
+    def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
+        """Nothing prepared for weights_proj: `queries` multiplies by its weight in fp32, per call."""
+        return {}, [self.weights_proj]
+
     def _rope_first(self, x, positions):
         r = self.rope_dim
         return torch.cat([interleaved_rope(self.ops, x[..., :r], positions, self.theta), x[..., r:]], -1)
@@ -227,12 +231,13 @@ class MLAttention(nn.Module):
 
     def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
         """The per-head weights prepared for the GEMM, from kv_b_proj's weight as `source` gives
-        it; the module's own Linears are prepared as usual (it covers none)."""
+        it. They cover kv_b_proj (the absorbed form never calls it); the module's other Linears
+        are prepared as usual."""
         from titan_rl.kernels import gemm_weight
 
         w_uk_t, w_uv = self.split_heads(source(self.kv_b_proj))
         return {"absorbed": {"w_uk_t": [gemm_weight(w.detach()) for w in w_uk_t],
-                             "w_uv": [gemm_weight(w.detach()) for w in w_uv]}}, []
+                             "w_uv": [gemm_weight(w.detach()) for w in w_uv]}}, [self.kv_b_proj]
 
 
 class SigmoidRouter(nn.Module):

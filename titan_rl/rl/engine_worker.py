@@ -41,17 +41,19 @@ class TitanWorkerExtension:
     def titan_corrupt_operand(self, name: str) -> None:
         """Tests only: change one element of the prepared operand `name` in this engine
         process (`corrupt_operand`), to see the post-sync check name it."""
-        corrupt_operand(self._titan_model(), name)
+        m = self._titan_model()
+        corrupt_operand(m._net, name, m._lm_head_prepared)
 
 
-def corrupt_operand(m, name: str) -> None:
+def corrupt_operand(net, name: str, lm_head=None) -> None:
     """Change one element of the prepared operand a weight_digests name `name` names
-    (models.layers.held_operands; LM_HEAD_OPERAND), where the engine's forward reads it: the
-    first element of its first tensor (a float gets +1, a code byte flips an exponent bit of
-    each value in it). For the tests of the post-sync check (titan_rl/rl/engine_link.py)."""
+    (models.layers.held_operands of the engine's model `net`; LM_HEAD_OPERAND: `lm_head`, the
+    wrapper's), where the engine's forward reads it: the first element of its first tensor (a
+    float gets +1, a code byte flips an exponent bit of each value in it). For the tests of the
+    post-sync check (titan_rl/rl/engine_link.py)."""
     from titan_rl.models.layers import LM_HEAD_OPERAND, held_operands
 
-    held = {**dict(held_operands(m._net)), LM_HEAD_OPERAND: m._lm_head_prepared}
+    held = {**dict(held_operands(net)), LM_HEAD_OPERAND: lm_head}
     base = next((n for n in held if name == n or name.startswith(n + ".")), None)
     if base is None:
         raise KeyError(f"no prepared operand {name!r} in this engine")
