@@ -8,6 +8,7 @@ No TorchTitan here: the link is given a trainer-side model directly."""
 import gc
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -231,39 +232,27 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
     assert any(not torch.equal(a, b) for a, b in zip(clean, _sample(link)[0].mu)), f"{name}: the forward did not move"
 
 
-def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_path, monkeypatch):
+def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_path):
     """rollout.placement = "separate": the engine checks in its own process (the worker
     extension's titan_verify_weights). Its fused q/k/v, then its LM head copy, changed there
     (titan_corrupt_operand) after it loaded a transfer: the run stops naming the operand, in
-    one line. Untouched syncs pass before each."""
-    from titan_rl.rl.separate_engines import SeparateEngines
+    one line; untouched syncs pass before each. In a fresh process (tests/_separate_corrupt.py):
+    an engine in its own process cannot start from one that ran an in-process engine."""
+    import subprocess
+    import sys
 
-    cfg = config.load(None, [*SMALL, "--rollout.placement=separate", "--model.dtype=\"bfloat16\""])
-    model = get_architecture(cfg.model.name).build(cfg.model.flavor, cfg.model_options()).init_weights(1, 0.05)
-    model = model.to(torch.bfloat16)
-    link = SeparateEngines(cfg, str(tmp_path), model, torch.bfloat16, Ranks(), "collective")
-    try:
-        link._start(1)
-        for step, name in [(2, "model.layers.0.self_attn.packed_qkv"), (4, "lm_head.prepared")]:
-            assert link.sync(step=step - 1) is True
-            e = link.engines[0]
-            real = e.sender.send_state
-
-            def send_then_corrupt(*args, _real=real, _e=e, _name=name):
-                sent = _real(*args)  # the engine has loaded it: now its prepared copy is changed
-                _e.llm.collective_rpc("titan_corrupt_operand", args=(_name,))
-                return sent
-
-            monkeypatch.setattr(e.sender, "send_state", send_then_corrupt)
-            with pytest.raises(RunStopped, match=rf"^weights after the weight sync of step {step}: engine 0 holds other "
-                                                 rf"weights than the trainer's forward uses: {name.replace('.', '[.]')} "
-                                                 r"\(sha256 of what each side multiplies by, computed in each process\)"
-                               ) as err:
-                link.sync(step=step)
-            assert "\n" not in str(err.value)
-            monkeypatch.undo()
-    finally:
-        link.close()
+    script = os.path.join(os.path.dirname(__file__), "_separate_corrupt.py")
+    r = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASSED ", "STOPPED "))]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [ln.split(" ", 2)[:2] for ln in lines] == [["PASSED", "1"], ["STOPPED", "2"], ["PASSED", "3"],
+                                                       ["STOPPED", "4"]], r.stdout[-3000:]
+    for line, name in zip(lines[1::2], ["model.layers.0.self_attn.packed_qkv", "lm_head.prepared"]):
+        step = line.split(" ", 2)[1]
+        assert "\\n" not in line  # one line (the script writes a newline as a visible \\n)
+        assert re.fullmatch(rf"STOPPED {step} weights after the weight sync of step {step}: engine 0 holds other "
+                            rf"weights than the trainer's forward uses: {re.escape(name)} \(sha256 of what each side "
+                            r"multiplies by, computed in each process\)\. .*", line), line
 
 
 @pytest.mark.parametrize("arch, flavor", sorted({(c[0], c[1]) for c in PREPARED_CASES}))
@@ -273,8 +262,6 @@ def test_every_prepared_operand_is_read_by_the_forward(arch, flavor):
     vLLM wrapper's net, prepared by models.layers.prepare_for_engine), one changed element of
     one of its operands moves the forward's logits. The LM head's copy is the wrapper's (the
     test above)."""
-    import re
-
     from titan_rl.checkpoint import operand_digests
     from titan_rl.models.layers import held_operands, prepare_for_engine
     from titan_rl.rl.engine_worker import corrupt_operand
