@@ -173,8 +173,9 @@ class ColocatedEngine(EngineLink):
         if self.cfg.model.kernels == "stock":
             return None  # vLLM's fused qkv/gate_up parameters have other names
         # Two sides: the trainer's forward operands computed afresh from its masters
-        # (fake-quantized where a recipe applies) and the engine's prepared operands made from
-        # what was sent, the engine's all read from what it holds.
+        # (fake-quantized where a recipe applies) and the operands the engine should have
+        # prepared from what was sent (the engine's preparation code, run here); the engine's
+        # digests are read from what it holds.
         mine = trainer_digests(self.model, state, recipes, sent)
         theirs = engine_model(self.llm).weight_digests()
         differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
