@@ -4,16 +4,22 @@ Each computes through `Ops` (models/ops.py), so a model written with them never 
 the kernel mode. `Linear` is also where a model meets the engine's weight handling: the
 engine prepares a weight once per load (`prepare_for_engine`) or holds it quantized
 (`load_quantized`); the trainer does neither and gets the same bits.
+
+What the engine prepares is listed by `engine_operands`, one walk both sides run: the engine
+to set its prepared copies, the trainer to hash what the engine should hold after a sync
+(titan_rl.quant_weights.trainer_digests); `held_operands` is the engine's own account of what
+it holds, hashed by its weight checksum (TitanForCausalLM.weight_digests).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from titan_rl.kernels import gemm_weight
+from titan_rl.kernels import gemm_weight, lm_head_weight
 from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quant_operands, uses_quant_gemm
 from titan_rl.kernels.quant.recipes import QuantLayer
 from titan_rl.models.ops import Ops
@@ -21,6 +27,13 @@ from titan_rl.models.ops import Ops
 # (layer_index, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: the row-mixing op
 # each engine passes in (the trainer's dense causal attention, vLLM's paged one).
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Linear -> its weight as one side has it: a dense tensor or a kernels.quant.QuantizedWeight
+# (the engine's own: `held`; the trainer's: the state of a sync, by parameter name)
+WeightSource = Callable[["Linear"], object]
+
+# the name of the LM head's prepared operand (the engine wrapper holds it, not a module)
+LM_HEAD_OPERAND = "lm_head.prepared"
 
 
 class RMSNorm(nn.Module):
@@ -92,13 +105,7 @@ class Linear(nn.Module):
     def operand_weight(self) -> torch.Tensor:
         """The weight the GEMM sees: the held payload dequantized (engine), the master
         fake-quantized (trainer), or the weight itself (no recipe)."""
-        if self.qweight is not None:
-            return self.qweight.dense()
-        if self.recipe is None:
-            return self.weight
-        from titan_rl.kernels.quant import fake_quantize
-
-        return fake_quantize(self.weight, self.recipe, "weight")
+        return dense_operand(held(self), self.recipe)
 
     def forward(self, x):
         fn = self.ops.linear_for(self.kind)
@@ -113,19 +120,12 @@ class Linear(nn.Module):
         return fn(x, self.weight)
 
     # -- the engine's side -----------------------------------------------------------------
-    def prepare_for_engine(self) -> list[nn.Module]:
-        """Prepare the weight for the GEMM once per load (the trainer prepares it per call:
-        the same bits). A quantized weight that runs the quantized GEMM (`uses_quant_gemm`)
-        is packed from the held payload + scales (no dense copy: the GEMM reads the payload);
-        one that runs the dense form is dequantized here, once per load, into the GEMM's
-        prepared layout (the same dense values the trainer's fake-quantized master gives).
-        Returns the modules whose weights this covered."""
-        if self.recipe is not None and uses_quant_gemm(self.recipe, *self._dtype_device()):
-            self.gemm_weight = PackedQuant.of([self])
-            self.packed_rows = (self.gemm_weight, 0, self.gemm_weight.n)
-        else:
-            self.gemm_weight = gemm_weight(self.operand_weight().detach())
-        return [self]
+    PREPARED = ("gemm_weight",)  # the attributes engine_operands sets (held_operands reads them)
+
+    def engine_operands(self, source: WeightSource) -> tuple[dict, list[nn.Module]]:
+        """The weight prepared for the GEMM (`prepared_weight`; the trainer prepares it per
+        call: the same bits), and the modules it covers."""
+        return {"gemm_weight": prepared_weight([self], source)}, [self]
 
     def held_weight(self) -> torch.Tensor:
         """The engine's weight as its forward multiplies by it (for the post-sync checksum):
@@ -139,12 +139,6 @@ class Linear(nn.Module):
         if self.qweight is not None:
             return self.qweight.dense()
         return self.weight.detach()
-
-    def _dtype_device(self) -> tuple[torch.dtype, torch.device]:
-        """The dtype the GEMM computes in and the device, from what this module holds."""
-        if self.qweight is not None:
-            return self.qweight.dtype, self.qweight.payload.device
-        return self.weight.dtype, self.weight.device
 
     def load_quantized(self, name: str, tensor, dtype: torch.dtype) -> None:
         """Hold the weight as payload + scales (a kernels.quant.QuantizedWeight); the dense
@@ -166,30 +160,111 @@ class Linear(nn.Module):
         self.weight = None
 
 
-def fused_gemm_weight(mods: list[Linear]):
-    """One prepared weight for modules that read the same input (q/k/v, gate/up:
-    Ops.same_input), or None where they do not fuse (TP pieces). Quantized modules fuse
-    their weights each quantized on its own: packed payloads for the quantized GEMM, else
-    the dequantized weights."""
+def held(m: Linear):
+    """The engine's WeightSource: the QuantizedWeight m holds, else its parameter."""
+    return m.qweight if m.qweight is not None else m.weight
+
+
+def dense_operand(w, recipe) -> torch.Tensor:
+    """The dense weight a GEMM multiplies by, of a weight as a WeightSource gives it: a
+    QuantizedWeight dequantized, a master fake-quantized (gradients flow straight through),
+    a weight with no recipe as it is."""
+    from titan_rl.kernels.quant import QuantizedWeight, fake_quantize
+
+    if isinstance(w, QuantizedWeight):
+        return w.dense()
+    return w if recipe is None else fake_quantize(w, recipe, "weight")
+
+
+def _dtype_device(w) -> tuple[torch.dtype, torch.device]:
+    """The dtype a weight's GEMM computes in and its device (a QuantizedWeight: its source's dtype)."""
+    return (w.dtype, w.payload.device) if hasattr(w, "payload") else (w.dtype, w.device)
+
+
+def prepared_weight(mods: list[Linear], source: WeightSource):
+    """THE preparation of the GEMM operand of Linear modules that read one input (one module,
+    or a fused [q; k; v] / [gate; up]), from their weights as `source` gives them. A recipe
+    that runs the quantized GEMM (`uses_quant_gemm`) packs the payloads + scales, each weight
+    quantized on its own (no dense copy: the GEMM reads the payload); otherwise the dense
+    operands (dequantized once here: the values the trainer's fake-quantized master gives) in
+    the GEMM's prepared layout."""
+    ws, recipe = [source(m) for m in mods], mods[0].recipe
+    if recipe is not None and uses_quant_gemm(recipe, *_dtype_device(ws[0])):
+        return PackedQuant.of_weights(recipe, ws)
+    dense = [dense_operand(w, recipe).detach() for w in ws]
+    return gemm_weight(dense[0] if len(dense) == 1 else torch.cat(dense))
+
+
+def fused_operands(attr: str, mods: list[Linear], source: WeightSource) -> tuple[dict, list[nn.Module]]:
+    """({attr: one prepared weight for mods}, mods) for modules that read the same input (q/k/v,
+    gate/up: Ops.same_input fuses them); ({}, []) where they do not fuse (each then prepares its own)."""
     if not mods[0].ops.fuse_same_input or mods[0].ops.tp_leaves:
-        return None
-    if mods[0].recipe is not None and uses_quant_gemm(mods[0].recipe, *mods[0]._dtype_device()):
-        pq, start = PackedQuant.of(mods), 0
-        for m in mods:
-            m.packed_rows = (pq, start, start + m.out_rows)
-            start += m.out_rows
-        return pq
-    return gemm_weight(torch.cat([m.operand_weight() for m in mods]).detach())
+        return {}, []
+    return {attr: prepared_weight(mods, source)}, mods
 
 
-def prepare_for_engine(model: nn.Module) -> None:
-    """Each module's engine preparation, once per weight load, outermost first: a module
-    that prepares its children's weights itself (Attention's packed q/k/v) covers them.
-    TP pieces (tp_leaves > 0) slice their weights per call: nothing is prepared. The LM
-    head is not prepared here: the engine keeps its own fp32 copy."""
-    if model.ops.tp_leaves:
-        return
-    done = {id(model.lm_head)}
+@dataclass
+class Prepared:
+    """One operand the engine prepares once per load: set as `module.attr` (module None: the
+    LM head's, which the engine wrapper holds), covering the Linears `covers`."""
+
+    name: str  # its name in the weight checksum: "<module name>.<attr>"
+    module: nn.Module | None
+    attr: str
+    operand: object
+    covers: list
+
+
+def lm_head_operand(model: nn.Module, source: WeightSource = held):
+    """The LM head's weight prepared once per load for lm_head_logits (kernels.lm_head_weight)."""
+    return lm_head_weight(source(model.lm_head).detach())
+
+
+def engine_operands(model: nn.Module, source: WeightSource) -> Iterator[Prepared]:
+    """Every operand the engine prepares once per weight load, computed now from the weights
+    `source` gives, one at a time, outermost module first: a module that prepares its
+    children's weights itself (Attention's fused q/k/v) covers them. TP pieces (tp_leaves > 0)
+    slice their weights per call: only the LM head is prepared. The engine runs this on what
+    it holds (prepare_for_engine), the trainer on what it sends: the same code, so the same
+    operands where both start from the same weights."""
+    if not model.ops.tp_leaves:
+        done = {id(model.lm_head)}
+        for name, m in model.named_modules():
+            if m is not model and id(m) not in done and hasattr(m, "engine_operands"):
+                operands, covers = m.engine_operands(source)
+                done.update(id(c) for c in covers)
+                for attr, op in operands.items():
+                    yield Prepared(f"{name}.{attr}", m, attr, op, covers)
+    yield Prepared(LM_HEAD_OPERAND, None, "", lm_head_operand(model, source), [])
+
+
+def held_operands(model: nn.Module) -> Iterator[tuple[str, object]]:
+    """(name, operand) of each prepared operand a model's modules hold now (the engine's own
+    account: read from the attributes its forward reads, not derived), under the names
+    engine_operands gives. The LM head's is the engine wrapper's to add."""
+    for name, m in model.named_modules():
+        for attr in getattr(type(m), "PREPARED", ()):
+            op = getattr(m, attr)
+            if op is not None:
+                yield f"{name}.{attr}", op
+
+
+def prepare_for_engine(model: nn.Module):
+    """Each operand of engine_operands, from the weights the engine holds (`held`), set where
+    its forward reads it, once per weight load (stale copies cleared first). Returns the LM
+    head's (the engine wrapper holds it; it is not computed by a module's forward)."""
     for m in model.modules():
-        if m is not model and id(m) not in done and hasattr(m, "prepare_for_engine"):
-            done.update(id(c) for c in m.prepare_for_engine())
+        for attr in getattr(type(m), "PREPARED", ()):
+            setattr(m, attr, None)
+    head = None
+    for p in engine_operands(model, held):
+        if p.module is None:
+            head = p.operand
+            continue
+        setattr(p.module, p.attr, p.operand)
+        if isinstance(p.operand, PackedQuant):  # each covered Linear's rows there (its held_weight)
+            start = 0
+            for c in p.covers:
+                c.packed_rows = (p.operand, start, start + c.out_rows)
+                start += c.out_rows
+    return head

@@ -5,8 +5,10 @@ contract is not patched), and after a sync it compares what the engine holds wit
 the trainer's forward uses, per tensor, naming a tensor that differs (dense and quantized).
 No TorchTitan here: the link is given a trainer-side model directly."""
 
+import gc
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -95,6 +97,9 @@ def test_a_sync_that_leaves_the_engine_other_weights_stops_naming_the_tensor(tmp
             p.mul_(1.01)
     assert link.sync(step=1) is True  # the engine holds exactly the trainer's forward operands
     bad = "model.layers.2.mlp.up_proj.weight"
+    named = [bad]
+    if engine_model(link.llm).get_submodule(bad.removesuffix(".weight")).packed_rows is not None:
+        named.insert(0, "model.layers.2.mlp.packed_gate_up")  # the quantized GEMM's fused operand it is read from
     real = TitanForCausalLM.load_weights
 
     def corrupting_load(self, weights):
@@ -115,8 +120,169 @@ def test_a_sync_that_leaves_the_engine_other_weights_stops_naming_the_tensor(tmp
         for p in model.parameters():
             p.mul_(1.01)
     with pytest.raises(RunStopped, match=rf"weights after the weight sync of step 2: the engine holds other weights "
-                                         rf"than the trainer's forward uses: {bad.replace('.', '[.]')} \("):
+                                         rf"than the trainer's forward uses: {', '.join(named).replace('.', '[.]')} \("):
         link.sync(step=2)
     held = engine_model(link.llm).get_submodule(bad.removesuffix(".weight"))
     assert (held.qweight is not None) == (recipe != "none")  # quantized: the engine's own payload was hit
     del link
+
+
+# -- the operands the engine prepares once per load ----------------------------------------
+# Each kind (models.layers.engine_operands): fused [q; k; v] and [gate; up], a Linear's own
+# GEMM weight, GLM-5's absorbed per-head weights, the LM head's copy; under a recipe the
+# packed payloads of the quantized GEMM (PackedQuant: fp8 codes; nvfp4 nibbles + block
+# scales) or the dequantized weights of the dense form (fp8_block). Per (architecture, flavor,
+# recipe): the kinds its engine holds; the corrupted one is the first of each in module order
+# (a hybrid's first GEMM weight is its GDN layer's, an MoE's first [gate; up] an expert's).
+_DENSE = ["packed_qkv", "packed_gate_up", "gemm_weight", "lm_head"]
+_QUANT = ["packed_qkv", "packed_gate_up", "gemm_weight"]
+PREPARED_CASES = {
+    ("qwen3", "debug", "none"): _DENSE,
+    ("llama", "debug", "none"): _DENSE,
+    ("qwen3_moe", "debug_moe", "none"): _DENSE,
+    ("qwen3_hybrid", "debug_hybrid", "none"): _DENSE,
+    ("qwen3_next", "debug_qwen3_next", "none"): [*_DENSE, "shared_expert_gate.gemm_weight"],  # N = 1
+    ("qwen3_5", "debug_qwen35", "none"): _DENSE,
+    ("qwen3_5_moe", "debug_qwen35_moe", "none"): _DENSE,
+    ("glm_moe_dsa", "debug_glm5", "none"): ["absorbed.w_uk_t", "absorbed.w_uv", "packed_gate_up", "gemm_weight",
+                                            "lm_head"],
+    ("qwen3", "debug", "fp8_rowwise"): _QUANT,
+    ("qwen3", "debug", "nvfp4"): _QUANT,
+    ("qwen3", "debug", "fp8_block"): _QUANT,
+}
+
+
+@pytest.fixture(scope="module")
+def prepared_engine(tmp_path_factory):
+    """(architecture, flavor, recipe) -> its colocated engine, built once for the module's tests
+    of that case (they run together; one engine is held at a time)."""
+    from _seeds import draw_seed
+
+    held = {}
+
+    def get(case):
+        if case not in held:
+            held.clear()
+            gc.collect()  # the last engine is gone before the next is built (its teardown resets vLLM's groups)
+            name, flavor, recipe = case
+            link, model = _link(tmp_path_factory.mktemp(name), draw_seed(), f"--model.name={name}",
+                                f"--model.flavor={flavor}", "--model.dtype=\"bfloat16\"",
+                                f"--quantization.recipe=\"{recipe}\"")
+            _sample(link)  # builds the engine
+            held[case] = {"link": link, "step": 0}
+        return held[case]
+
+    yield get
+    held.clear()
+
+
+def _operand_name(m, kind: str) -> str:
+    """The first prepared operand of `kind` the engine holds (module order)."""
+    from titan_rl.models.layers import LM_HEAD_OPERAND, held_operands
+
+    if kind == "lm_head":
+        return LM_HEAD_OPERAND
+    names = [n for n in m.weight_digests() if n.endswith("." + kind) or f".{kind}." in n]
+    order = [n for n, _ in held_operands(m._net)]
+    return min(names, key=lambda n: next(i for i, b in enumerate(order) if n == b or n.startswith(b + ".")))
+
+
+def _named(m, name: str) -> list[str]:
+    """What the check names for a change of operand `name`'s first element: the operand, and
+    where it is a quantized GEMM's packed payload, the weight whose row 0 that is (the engine
+    reads each weight back from the packed bytes too: Linear.held_weight)."""
+    from titan_rl.models.layers import held_operands
+
+    op = dict(held_operands(m._net)).get(name)
+    rows = [f"{n}.weight" for n, mod in m._net.named_modules()
+            if getattr(mod, "packed_rows", None) is not None and mod.packed_rows[0] is op and mod.packed_rows[1] == 0]
+    return sorted([name, *rows])
+
+
+@pytest.mark.parametrize("case, kind", [(case, kind) for case, kinds in PREPARED_CASES.items() for kind in kinds],
+                         ids=[f"{c[0]}-{c[2]}-{k}" for c, ks in PREPARED_CASES.items() for k in ks])
+def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, monkeypatch, case, kind):
+    """One element of one prepared operand changed after the load: the forward's log-probs
+    move (it is what the engine multiplies by) and the post-sync check names that operand
+    (and nothing else but, for a packed quantized payload, the weight it reads back as), in
+    one line. The same engine synced untouched passes first."""
+    from titan_rl.rl.engine_worker import corrupt_operand
+
+    s = prepared_engine(case)
+    link = s["link"]
+    s["step"] += 1
+    assert link.sync(step=s["step"]) is True  # uncorrupted: every digest agrees
+    clean = _sample(link)[0].mu
+    name = _operand_name(engine_model(link.llm), kind)
+    real = TitanForCausalLM.load_weights
+
+    def corrupting_load(self, weights):
+        loaded = real(self, weights)
+        corrupt_operand(self._net, name, self._lm_head_prepared)
+        return loaded
+
+    monkeypatch.setattr(TitanForCausalLM, "load_weights", corrupting_load)
+    s["step"] += 1
+    named = ", ".join(_named(engine_model(link.llm), name)).replace(".", "[.]")
+    with pytest.raises(RunStopped, match=rf"^weights after the weight sync of step {s['step']}: the engine holds other "
+                                         rf"weights than the trainer's forward uses: {named} \(") as e:
+        link.sync(step=s["step"])
+    assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    assert any(not torch.equal(a, b) for a, b in zip(clean, _sample(link)[0].mu)), f"{name}: the forward did not move"
+
+
+def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_path):
+    """rollout.placement = "separate": the engine checks in its own process (the worker
+    extension's titan_verify_weights). Its fused q/k/v, then its LM head copy, changed there
+    (titan_corrupt_operand) after it loaded a transfer: the run stops naming the operand, in
+    one line; untouched syncs pass before each. In a fresh process (tests/_separate_corrupt.py):
+    an engine in its own process cannot start from one that ran an in-process engine."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "_separate_corrupt.py")
+    r = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASSED ", "STOPPED "))]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [ln.split(" ", 2)[:2] for ln in lines] == [["PASSED", "1"], ["STOPPED", "2"], ["PASSED", "3"],
+                                                       ["STOPPED", "4"]], r.stdout[-3000:]
+    for line, name in zip(lines[1::2], ["model.layers.0.self_attn.packed_qkv", "lm_head.prepared"]):
+        step = line.split(" ", 2)[1]
+        assert "\\n" not in line  # one line (the script writes a newline as a visible \\n)
+        assert re.fullmatch(rf"STOPPED {step} weights after the weight sync of step {step}: engine 0 holds other "
+                            rf"weights than the trainer's forward uses: {re.escape(name)} \(sha256 of what each side "
+                            r"multiplies by, computed in each process\)\. .*", line), line
+
+
+@pytest.mark.parametrize("arch, flavor", sorted({(c[0], c[1]) for c in PREPARED_CASES}))
+def test_every_prepared_operand_is_read_by_the_forward(arch, flavor):
+    """No prepared copy is dead weight the checksum would vouch for: for each role (the operand
+    names with their layer / expert / head index dropped) of the engine's prepared model (the
+    vLLM wrapper's net, prepared by models.layers.prepare_for_engine), one changed element of
+    one of its operands moves the forward's logits. The LM head's copy is the wrapper's (the
+    test above)."""
+    from titan_rl.checkpoint import operand_digests
+    from titan_rl.models.layers import held_operands, prepare_for_engine
+    from titan_rl.rl.engine_worker import corrupt_operand
+
+    net = get_architecture(arch).build(flavor).init_weights(2, 0.05).to(torch.bfloat16).eval()
+    prepare_for_engine(net)
+    tokens = torch.arange(3, 43).view(1, 40)  # longer than GLM-5 debug's index_topk: the indexer selects
+    with torch.no_grad():
+        base = net(tokens)
+    roles = {}
+    for n, op in held_operands(net):
+        for leaf in operand_digests(n, op):
+            roles.setdefault(re.sub(r"\.\d+(?=\.|$)", ".N", leaf), []).append(leaf)
+
+    def moves(leaf: str) -> bool:
+        corrupt_operand(net, leaf)
+        with torch.no_grad():
+            moved = not torch.equal(net(tokens), base)
+        prepare_for_engine(net)
+        return moved
+
+    assert roles
+    for role, leaves in roles.items():  # the first that moves (an expert these tokens route to)
+        assert any(moves(leaf) for leaf in leaves), f"{role}: prepared, hashed, and never read by the forward"

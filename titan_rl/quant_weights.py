@@ -4,7 +4,8 @@ The trainer keeps full-precision masters and fake-quantizes them in its forward;
 engine holds each covered weight as a `QuantizedWeight` (payload + scales). A weight sync
 quantizes the trainer's weights once (`quantized_state`) and ships payload + scales; the
 checksum compares what each side multiplies by: the trainer's fake-quantized weights
-(`fake_quantized_state`) against the engine's dequantized payloads (`engine_weights`).
+(`fake_quantized_state`) against the engine's dequantized payloads (`engine_weights`), and the
+operands the engine prepares once per load (`trainer_digests`, by the engine's own code).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from titan_rl.kernels.quant import QuantizedWeight, fake_quantize
 from titan_rl.kernels.quant.recipes import QuantRecipe
-from titan_rl.models.layers import Linear
+from titan_rl.models.layers import Linear, engine_operands
 
 
 def weight_recipes(model: torch.nn.Module) -> dict[str, QuantRecipe]:
@@ -46,6 +47,28 @@ def engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.qweight is not None:
             out[f"{name}.weight"] = m.held_weight()
+    return out
+
+
+def trainer_digests(model: torch.nn.Module, state: Mapping[str, torch.Tensor], recipes: Mapping[str, QuantRecipe],
+                    sent: Mapping[str, torch.Tensor | QuantizedWeight]) -> dict[str, str]:
+    """What an engine's weight_digests (titan_rl.vllm.model) must give after a sync of `sent`
+    (`state` quantized by `recipes`), computed on the trainer's side: each weight its forward
+    multiplies by (`state` fake-quantized where a recipe applies: its own code path), and each
+    operand the engine prepares once per load, prepared here from `sent` by the engine's own
+    preparation (models.layers.engine_operands over the trainer's model, which has the engine's
+    modules under the same names; each operand hashed and dropped before the next is made).
+    `state` and `sent` hold the weights as this engine (TP rank) holds them."""
+    from titan_rl.checkpoint import operand_digests, tensor_digest
+
+    out = {n: tensor_digest(w) for n, w in fake_quantized_state(state, recipes).items()}
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied LM head: the embedding's name
+
+    def source(m: Linear):
+        return sent[names[id(m.weight)]]
+
+    for p in engine_operands(model, source):
+        out.update(operand_digests(p.name, p.operand))
     return out
 
 

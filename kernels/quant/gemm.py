@@ -135,9 +135,16 @@ class PackedQuant:
     def of(cls, mods: Sequence) -> "PackedQuant":
         """The engine's preparation of Linear modules (one recipe): from each one's held
         QuantizedWeight, or from its weight where it holds none."""
-        recipe = mods[0].recipe
-        return cls.from_parts(recipe, [(m.qweight.payload, m.qweight.scales) if m.qweight is not None
-                                       else quantize_weight(m.weight, recipe) for m in mods])
+        return cls.of_weights(mods[0].recipe, [m.qweight if m.qweight is not None else m.weight for m in mods])
+
+    @classmethod
+    def of_weights(cls, recipe: str, weights: Sequence) -> "PackedQuant":
+        """From weights of one recipe, each a QuantizedWeight (its payload + scales as held or
+        shipped) or a dense tensor (quantized here by the compiled quantizers)."""
+        from titan_rl.kernels.quant import QuantizedWeight
+
+        return cls.from_parts(recipe, [(w.payload, w.scales) if isinstance(w, QuantizedWeight)
+                                       else quantize_weight(w, recipe) for w in weights])
 
     @classmethod
     def prepare(cls, ws: Sequence[torch.Tensor], recipe: str) -> tuple["PackedQuant", torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from titan_rl.models.common.config import DenseConfig
-from titan_rl.models.layers import AttentionFn, HeadRMSNorm, Linear, RMSNorm, fused_gemm_weight
+from titan_rl.models.layers import AttentionFn, HeadRMSNorm, Linear, RMSNorm, WeightSource, fused_operands
 from titan_rl.models.ops import Ops
 from titan_rl.models.options import ModelOptions
 
@@ -53,10 +53,10 @@ class Attention(nn.Module):
         o = attn(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(T, self.h * self.d))
 
-    def prepare_for_engine(self) -> list[nn.Module]:
-        mods = [self.q_proj, self.k_proj, self.v_proj]
-        self.packed_qkv = fused_gemm_weight(mods)
-        return mods if self.packed_qkv is not None else []
+    PREPARED = ("packed_qkv",)  # engine: models.layers.engine_operands sets it
+
+    def engine_operands(self, source: WeightSource) -> tuple[dict, list[nn.Module]]:
+        return fused_operands("packed_qkv", [self.q_proj, self.k_proj, self.v_proj], source)
 
 
 class MLP(nn.Module):
@@ -74,10 +74,10 @@ class MLP(nn.Module):
         gate, up = self.ops.same_input(x, [self.gate_proj, self.up_proj], self.packed_gate_up)
         return self.down_proj(self.ops.silu_mul(gate, up))
 
-    def prepare_for_engine(self) -> list[nn.Module]:
-        mods = [self.gate_proj, self.up_proj]
-        self.packed_gate_up = fused_gemm_weight(mods)
-        return mods if self.packed_gate_up is not None else []
+    PREPARED = ("packed_gate_up",)
+
+    def engine_operands(self, source: WeightSource) -> tuple[dict, list[nn.Module]]:
+        return fused_operands("packed_gate_up", [self.gate_proj, self.up_proj], source)
 
 
 class DecoderLayer(nn.Module):

@@ -125,6 +125,10 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.d, 1e-6, ops)
         self.weights_proj = Linear(cfg.hidden_size, self.h, ops)
 
+    def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
+        """Nothing prepared for weights_proj: `queries` multiplies by its weight in fp32, per call."""
+        return {}, [self.weights_proj]
+
     def _rope_first(self, x, positions):
         r = self.rope_dim
         return torch.cat([interleaved_rope(self.ops, x[..., :r], positions, self.theta), x[..., r:]], -1)
@@ -166,18 +170,23 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, ops) if cfg.indexer_types[layer_idx] == "full" else None
         self.scale = cfg.qk_head_dim ** -0.5
         self.index_scale = cfg.index_head_dim ** -0.5
-        self.absorbed = None  # engine: the per-head W_uk^T / W_uv prepared once (prepare_for_engine)
+        self.absorbed = None  # engine: {"w_uk_t": per head, "w_uv": per head} prepared once (engine_operands)
         # replay: positions [T, topk] to attend to instead of the indexer's (a row starting with -1: its own)
         self.index_override: torch.Tensor | None = None
         self.last_indices = self.last_own_indices = None
         self.indexer_loss: torch.Tensor | None = None
 
     def per_head(self) -> tuple[list, list]:
+        """The absorbed form's per-head weights: the engine's prepared ones, else the trainer's
+        from kv_b_proj (`split_heads`)."""
+        if self.absorbed is not None:
+            return self.absorbed["w_uk_t"], self.absorbed["w_uv"]
+        return self.split_heads(self.kv_b_proj.weight)
+
+    def split_heads(self, kv_b: torch.Tensor) -> tuple[list, list]:
         """kv_b_proj's rows per head are [k_nope (nope) | v (v_head_dim)]: the absorbed form's
         W_uk^T [kv_lora, nope] (query -> latent) and W_uv [v, kv_lora] (latent -> value)."""
-        if self.absorbed is not None:
-            return self.absorbed
-        w = self.kv_b_proj.weight.view(self.h, self.nope + self.v, self.kv_lora)
+        w = kv_b.view(self.h, self.nope + self.v, self.kv_lora)
         return [w[h, : self.nope].t() for h in range(self.h)], [w[h, self.nope:] for h in range(self.h)]
 
     def forward(self, x, positions, cache: LatentCache, shared: torch.Tensor | None):
@@ -238,13 +247,17 @@ class MLAttention(nn.Module):
         log_q = index_log_probs(qi, wi, keys, valid, self.index_scale).masked_fill(~valid, 0.0)  # -inf at padding
         return (torch.xlogy(target, target) - target * log_q).sum(-1).mean()
 
-    def prepare_for_engine(self) -> list[nn.Module]:
+    PREPARED = ("absorbed",)  # engine: models.layers.engine_operands sets it
+
+    def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
+        """The per-head weights prepared for the GEMM, from kv_b_proj's weight as `source` gives
+        it. They cover kv_b_proj (the absorbed form never calls it); the module's other Linears
+        are prepared as usual."""
         from titan_rl.kernels import gemm_weight
 
-        self.absorbed = None  # from the weights just loaded
-        w_uk_t, w_uv = self.per_head()
-        self.absorbed = ([gemm_weight(w.detach()) for w in w_uk_t], [gemm_weight(w.detach()) for w in w_uv])
-        return []  # the module's own Linears are prepared as usual
+        w_uk_t, w_uv = self.split_heads(source(self.kv_b_proj))
+        return {"absorbed": {"w_uk_t": [gemm_weight(w.detach()) for w in w_uk_t],
+                             "w_uv": [gemm_weight(w.detach()) for w in w_uv]}}, [self.kv_b_proj]
 
 
 class SigmoidRouter(nn.Module):

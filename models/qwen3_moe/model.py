@@ -54,6 +54,10 @@ class SparseMoeBlock(nn.Module):
         self.last_ids: torch.Tensor | None = None       # the experts used
         self.last_own_ids: torch.Tensor | None = None   # the router's own choice (== used unless replayed)
 
+    def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
+        """Nothing prepared for the router: router_topk multiplies by its weight, per call."""
+        return {}, [self.gate]
+
     def forward(self, x):
         weights, ids, probs, own = router_topk(
             x, self.gate.weight, self.k, self.norm_topk_prob,

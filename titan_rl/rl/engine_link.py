@@ -21,7 +21,6 @@ import time
 import torch
 
 from titan_rl import contract
-from titan_rl.checkpoint import tensor_digest
 from titan_rl.dtypes import DTYPES
 from titan_rl.errors import RunStopped
 from titan_rl.rl.ranks import Ranks
@@ -159,7 +158,7 @@ class ColocatedEngine(EngineLink):
         return Rollout.from_vllm(outs, kept_sets=ks, routes=rec, indices=idx), dt
 
     def sync(self, step):
-        from titan_rl.quant_weights import fake_quantized_state, quantized_state, weight_recipes
+        from titan_rl.quant_weights import quantized_state, trainer_digests, weight_recipes
         from titan_rl.vllm.engine import engine_model, update_weights
 
         from titan_rl.quant_weights import state_bytes
@@ -173,9 +172,11 @@ class ColocatedEngine(EngineLink):
         self._check_contract(when)
         if self.cfg.model.kernels == "stock":
             return None  # vLLM's fused qkv/gate_up parameters have other names
-        # Two sides, two code paths: the trainer's forward operands computed afresh from its
-        # masters (fake-quantized where a recipe applies), the engine's from what it holds.
-        mine = {n: tensor_digest(w) for n, w in fake_quantized_state(state, recipes).items()}
+        # Two sides: the trainer's forward operands computed afresh from its masters
+        # (fake-quantized where a recipe applies) and the operands the engine should have
+        # prepared from what was sent (the engine's preparation code, run here); the engine's
+        # digests are read from what it holds.
+        mine = trainer_digests(self.model, state, recipes, sent)
         theirs = engine_model(self.llm).weight_digests()
         differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
         if self.ranks.any(bool(differ)):

@@ -37,3 +37,45 @@ class TitanWorkerExtension:
 
         c = contract.model_contract(self._titan_model(), self.model_runner.model_config)
         return {"entries": c.entries(), "pid": os.getpid(), "threads": torch.get_num_threads()}
+
+    def titan_corrupt_operand(self, name: str) -> None:
+        """Tests only: change one element of the prepared operand `name` in this engine
+        process (`corrupt_operand`), to see the post-sync check name it."""
+        m = self._titan_model()
+        corrupt_operand(m._net, name, m._lm_head_prepared)
+
+
+def corrupt_operand(net, name: str, lm_head=None) -> None:
+    """Change one element of the prepared operand a weight_digests name `name` names
+    (models.layers.held_operands of the engine's model `net`; LM_HEAD_OPERAND: `lm_head`, the
+    wrapper's), where the engine's forward reads it: the first element of its first tensor (a
+    float gets +1, a code byte flips an exponent bit of each value in it). For the tests of the
+    post-sync check (titan_rl/rl/engine_link.py)."""
+    from titan_rl.models.layers import LM_HEAD_OPERAND, held_operands
+
+    held = {**dict(held_operands(net)), LM_HEAD_OPERAND: lm_head}
+    base = next((n for n in held if name == n or name.startswith(n + ".")), None)
+    if base is None:
+        raise KeyError(f"no prepared operand {name!r} in this engine")
+    op = held[base]
+    for key in name[len(base) + 1:].split(".") if name != base else []:  # into a dict / list of operands (GLM-5's absorbed per-head weights)
+        op = op[key] if isinstance(op, dict) else op[int(key)]
+    if isinstance(op, torch.Tensor):
+        _bump(op)
+        return
+    field = next(f for f in type(op).__slots__ if isinstance(getattr(op, f), torch.Tensor))
+    t = getattr(op, field)
+    if t.layout == torch._mkldnn:  # oneDNN's blocked layout: edit the plain form, reorder it back
+        plain = t.to_dense()
+        _bump(plain)
+        setattr(op, field, torch.ops.mkldnn._reorder_linear_weight(plain, None))
+    else:
+        _bump(t)
+
+
+@torch.no_grad()
+def _bump(t: torch.Tensor) -> None:
+    if t.is_floating_point() and t.element_size() > 1:
+        t.view(-1)[0] += 1.0
+    else:  # fp8 / packed fp4 codes: bit 6 and bit 2 (e4m3's top exponent bit; each e2m1 nibble's)
+        t.view(torch.uint8).view(-1)[0] ^= 0x44

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from titan_rl import contract
-from titan_rl.checkpoint import tensor_digest
 from titan_rl.errors import RunStopped
 from titan_rl.rl.engine_link import EngineLink, trainer_state
 from titan_rl.rollout import Rollout
@@ -268,7 +267,7 @@ class SeparateEngines(EngineLink):
 
     # -- weights ---------------------------------------------------------------------------
     def sync(self, step: int) -> bool | None:
-        from titan_rl.quant_weights import fake_quantized_state, quantized_state, weight_recipes
+        from titan_rl.quant_weights import quantized_state, weight_recipes
 
         error = None
         if self.ranks.rank == 0:
@@ -284,7 +283,7 @@ class SeparateEngines(EngineLink):
         self.version = step
         if self.ranks.rank == 0:
             sent = quantized_state(state, recipes)
-            expected = _expected_digests(fake_quantized_state(state, recipes), self.engines[0].layout)
+            expected = _expected_digests(self.model, state, recipes, sent, self.engines[0].layout)
             self._last_sent = (sent, expected, step)
             self.sync_bytes = 0
             try:
@@ -343,14 +342,20 @@ class SeparateEngines(EngineLink):
             self.thread.shutdown(wait=False, cancel_futures=True)
 
 
-def _expected_digests(full: dict[str, torch.Tensor], layout: dict) -> list[dict[str, str]]:
-    """Per engine TP rank, the sha256 of each weight as that rank should hold it: the full
-    weight, or its slice along the dim the engine splits it (titan_rl.parallel.plan)."""
+def _expected_digests(model: torch.nn.Module, state: dict, recipes: dict, sent: dict, layout: dict
+                      ) -> list[dict[str, str]]:
+    """Per engine TP rank, what its weight_digests must give (titan_rl.quant_weights.trainer_digests)
+    from the weights as that rank holds them: the full weight, or its slice along the dim the
+    engine splits it (titan_rl.parallel.plan; a quantized weight is held whole: TP 1 only)."""
     from titan_rl.parallel.plan import local_shard
+    from titan_rl.quant_weights import trainer_digests
 
     tp, split = layout["tp"], layout["split"]
-    return [{n: tensor_digest(local_shard(w, split[n], r, tp) if n in split and tp > 1 else w) for n, w in full.items()}
-            for r in range(tp)]
+
+    def local(d: dict, r: int) -> dict:
+        return {n: local_shard(w, split[n], r, tp) if n in split and tp > 1 else w for n, w in d.items()}
+
+    return [trainer_digests(model, local(state, r), recipes, local(sent, r)) for r in range(tp)]
 
 
 def _children() -> set[int]:

@@ -24,9 +24,9 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from titan_rl.kernels import gemm_weight, lm_head_logits, lm_head_weight
+from titan_rl.kernels import lm_head_logits
 from titan_rl.kernels.selfcheck import check_platform
-from titan_rl.models.layers import Linear, prepare_for_engine
+from titan_rl.models.layers import LM_HEAD_OPERAND, Linear, held_operands, lm_head_operand, prepare_for_engine
 from titan_rl.models.options import ModelOptions
 from titan_rl.parallel.plan import apply_tp_local, local_shard
 from titan_rl.registry import architecture_for_vllm
@@ -126,19 +126,25 @@ class TitanForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self._lm_head_prepared is None:
-            self._lm_head_prepared = lm_head_weight(self.lm_head.weight)
+        if self._lm_head_prepared is None:  # no load_weights yet (a dummy load)
+            self._lm_head_prepared = lm_head_operand(self._net)
         return lm_head_logits(hidden_states, self._lm_head_prepared)
 
     def weight_digests(self) -> dict[str, str]:
-        """{parameter name: sha256 of the weight this engine's forward multiplies by}: its
-        parameters, and each held quantized weight dequantized from its own payload and
-        scales (titan_rl.quant_weights.engine_weights). The engine's side of the post-sync
-        check, computed from what the engine holds."""
-        from titan_rl.checkpoint import tensor_digest
+        """{name: sha256} of everything this engine's forward multiplies by, read from what it
+        holds: each parameter, each held quantized weight dequantized from its own payload and
+        scales (titan_rl.quant_weights.engine_weights), and each operand prepared once per load
+        (models.layers.held_operands: fused q/k/v and gate/up, each Linear's GEMM weight, GLM-5's
+        absorbed per-head weights; the LM head's as LM_HEAD_OPERAND), hashed as the bytes its
+        kernel reads (titan_rl.checkpoint.operand_digests). The engine's side of the post-sync
+        check; the trainer's is titan_rl.quant_weights.trainer_digests."""
+        from titan_rl.checkpoint import operand_digests, tensor_digest
         from titan_rl.quant_weights import engine_weights
 
-        return {n: tensor_digest(w) for n, w in engine_weights(self).items()}
+        out = {n: tensor_digest(w) for n, w in engine_weights(self).items()}
+        for name, op in [*held_operands(self._net), (LM_HEAD_OPERAND, self._lm_head_prepared)]:
+            out.update(operand_digests(name, op))
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Strict: unknown names and wrong shapes raise, naming the key. Weights are the
@@ -174,6 +180,6 @@ class TitanForCausalLM(nn.Module):
             loaded.add(name)
         if self.cfg.tie_word_embeddings:
             loaded.add("lm_head.weight")
-        self._lm_head_prepared = None  # refreshed from the new weights on next use
-        prepare_for_engine(self._net)
+        self._lm_head_prepared = None  # the old weights' copies go before the new ones are made
+        self._lm_head_prepared = prepare_for_engine(self._net)
         return loaded
