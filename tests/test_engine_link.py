@@ -45,6 +45,15 @@ def _sample(link):
     return link.sample(reqs, params, kept_sets=False, routes=False)
 
 
+def _sample_wide(link):
+    """Enough tokens (4 prompts of 13, 4 sampled each) that every expert of an 8-expert top-2
+    layer sees some (with _sample's 15 tokens one expert went unused in a run, so corrupting its
+    copy moved nothing): the log-probs of what the engine computes with every operand."""
+    reqs = [{"prompt_token_ids": [(7 * i + 3 * j) % 900 + 2 for j in range(13)]} for i in range(4)]
+    params = [SamplingParams(max_tokens=4, logprobs=0, seed=i, ignore_eos=True) for i in range(4)]
+    return link.sample(reqs, params, kept_sets=False, routes=False)
+
+
 def _built_otherwise(monkeypatch, change):
     """make_llm builds the real engine with one choice changed (`change(folder, kwargs)`)."""
     real = engine_mod.make_llm
@@ -212,7 +221,7 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
     link = s["link"]
     s["step"] += 1
     assert link.sync(step=s["step"]) is True  # uncorrupted: every digest agrees
-    clean = _sample(link)[0].mu
+    clean = _sample_wide(link)[0].mu
     name = _operand_name(engine_model(link.llm), kind)
     real = TitanForCausalLM.load_weights
 
@@ -229,7 +238,7 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
         link.sync(step=s["step"])
     assert "\n" not in str(e.value)
     monkeypatch.undo()
-    assert any(not torch.equal(a, b) for a, b in zip(clean, _sample(link)[0].mu)), f"{name}: the forward did not move"
+    assert any(not torch.equal(a, b) for a, b in zip(clean, _sample_wide(link)[0].mu)), f"{name}: the forward did not move"
 
 
 def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_path):
