@@ -2,12 +2,23 @@
 entry points (train and parity) must give in one line before any work starts."""
 
 import json
+import os
 import re
 
 from safetensors.torch import load_file, save_file
 
 from titan_rl.parity import main as parity_main
 from titan_rl.train import main as train_main
+
+
+def edit_config_in_place(folder, **keys):
+    """Set `keys` in the folder's config.json (an engine's folder, edited before it is built)."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        d = json.load(f)
+    d.update(keys)
+    with open(path, "w") as f:
+        json.dump(d, f)
 
 
 def edited_copy(src, dst, edit_config=None, edit_tensors=None):

@@ -6,7 +6,6 @@ the trainer's forward uses, per tensor, naming a tensor that differs (dense and 
 No TorchTitan here: the link is given a trainer-side model directly."""
 
 import gc
-import json
 import os
 import re
 
@@ -15,6 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from _folders import edit_config_in_place  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from titan_rl import config  # noqa: E402
@@ -65,15 +65,6 @@ def _built_otherwise(monkeypatch, change):
     monkeypatch.setattr(engine_mod, "make_llm", make_llm)
 
 
-def _edit_config(folder, **keys):
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        d = json.load(f)
-    d.update(keys)
-    with open(path, "w") as f:
-        json.dump(d, f)
-
-
 @pytest.mark.parametrize("case, message", [
     ("dtype", r"dtype \(trainer 'float32', engine 'bfloat16'\)"),
     ("tp_leaves", r"tp_leaves \(trainer 0, engine 2\)"),
@@ -83,8 +74,8 @@ def _edit_config(folder, **keys):
 def test_an_engine_built_otherwise_is_refused_by_name(tmp_path, monkeypatch, seed, case, message):
     changes = {
         "dtype": lambda folder, kw: kw.update(dtype="bfloat16"),
-        "tp_leaves": lambda folder, kw: _edit_config(folder, titan_tp_leaves=2),
-        "recipe": lambda folder, kw: _edit_config(folder, titan_quantization={
+        "tp_leaves": lambda folder, kw: edit_config_in_place(folder, titan_tp_leaves=2),
+        "recipe": lambda folder, kw: edit_config_in_place(folder, titan_quantization={
             "recipe": "fp8_rowwise", "layers": ["attention", "mlp", "experts", "linear_attention"]}),
         "kernels": lambda folder, kw: kw.update(kernels="stock"),
     }

@@ -7,13 +7,12 @@ platform choices) and see the trainer's check fail. The control case, an engine 
 trainer is, passes the same check and samples. No TorchTitan: the link is given a trainer-side
 model directly, as in tests/test_engine_link.py."""
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
+from _folders import edit_config_in_place  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from titan_rl import config  # noqa: E402
@@ -29,17 +28,6 @@ SMALL = ["--rollout.kv_cache_mib=32", "--rollout.max_model_len=64", "--rollout.m
          "--model.dtype=\"float32\""]
 
 
-def _edit_config(folder, **keys):
-    import json
-
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        d = json.load(f)
-    d.update(keys)
-    with open(path, "w") as f:
-        json.dump(d, f)
-
-
 def _masked_process(folder, kw, monkeypatch):
     # the engine's process starts as an AVX2-only machine (kernels/cpu_features.py): its
     # compiled kernels are built with other flags, and its platform choices are the AVX2 ones
@@ -50,8 +38,8 @@ def _masked_process(folder, kw, monkeypatch):
 CASES = {
     "same": (lambda folder, kw, mp: None, None),
     "dtype": (lambda folder, kw, mp: kw.update(dtype="bfloat16"), r"dtype \(trainer 'float32', engine 'bfloat16'\)"),
-    "tp_leaves": (lambda folder, kw, mp: _edit_config(folder, titan_tp_leaves=2), r"tp_leaves \(trainer 0, engine 2\)"),
-    "recipe": (lambda folder, kw, mp: _edit_config(folder, titan_quantization={
+    "tp_leaves": (lambda folder, kw, mp: edit_config_in_place(folder, titan_tp_leaves=2), r"tp_leaves \(trainer 0, engine 2\)"),
+    "recipe": (lambda folder, kw, mp: edit_config_in_place(folder, titan_quantization={
         "recipe": "fp8_rowwise", "layers": ["attention", "mlp", "experts", "linear_attention"]}),
         r"quantization \(trainer 'none', engine 'fp8_rowwise:"),
     "cpu_kind": (_masked_process, r"platform\.cpu_capability \(trainer .*\).*source\.csrc \(trainer "),
