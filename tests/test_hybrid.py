@@ -1,7 +1,8 @@
 """qwen3_hybrid (GDN linear attention 3 : 1 full attention): the model against a plain
 fp64 reference, trainer invariance, trainer log-probs == vLLM sampler log-probs bitwise
 (torch.equal; bf16 and fp32) with the recurrent state in vLLM's state cache, an RL run
-with mismatch 0, and config errors.
+with mismatch 0 (and the same run with a separate engine at TP 2: the same metrics lines),
+and config errors.
 
 One vLLM engine per dtype, prefix caching on (mamba cache mode "align"), chunked prefill
 with a 64-token budget (long prompts split across steps, mixed with decodes), block_size
@@ -321,18 +322,43 @@ def test_stock_engine_is_refused_for_the_hybrid(tmp_path):
 
 # -- RL on the built-in task ----------------------------------------------------------------
 
-def test_rl_run_on_the_hybrid_has_zero_mismatch(tmp_path):
-    cmd = [sys.executable, "-m", "titan_rl.train", "--config", "train_configs/rl_debug_hybrid.toml",
-           "--run-dir", str(tmp_path), "--training.steps=4", "--algorithm.sft_steps=2",
-           "--algorithm.prompts_per_step=4", "--algorithm.group_size=4", "--algorithm.sft_batch=16",
-           "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false"]
+# tp_leaves = 2: the leaf tree an engine at TP 2 computes (the separate run below compares with it)
+HYBRID_RL = ["--config", "train_configs/rl_debug_hybrid.toml", "--training.steps=4", "--algorithm.sft_steps=2",
+             "--algorithm.prompts_per_step=4", "--algorithm.group_size=4", "--algorithm.sft_batch=16",
+             "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false", "--model.tp_leaves=2"]
+
+
+def _hybrid_rl(run_dir, extra=()) -> list[dict]:
+    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), *HYBRID_RL, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
                        cwd=os.path.join(os.path.dirname(__file__), ".."))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with open(tmp_path / "metrics.jsonl") as f:
-        ms = [json.loads(ln) for ln in f if ln.strip()]
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def hybrid_colocated(tmp_path_factory) -> list[dict]:
+    """The metrics of a short colocated RL run on the hybrid (2 SFT + 2 RL steps), run once."""
+    return _hybrid_rl(tmp_path_factory.mktemp("hybrid_colocated"))
+
+
+def test_rl_run_on_the_hybrid_has_zero_mismatch(hybrid_colocated):
+    ms = hybrid_colocated
     assert [m["phase"] for m in ms] == ["sft", "sft", "rl", "rl"]
     for m in ms[2:]:
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0, m
         assert m["weights_checksum_equal"] is True
+
+
+def test_a_separate_engine_at_tp_2_writes_the_colocated_metrics(hybrid_colocated, tmp_path):
+    """rollout.placement = "separate", rollout.engine_tp = 2: the engine in its own process with
+    two vLLM workers, each holding half of the GDN and attention heads (and their recurrent
+    state), weights sent over vLLM's weight transfer and checked per worker: every metrics line
+    of the colocated run at the same leaf tree, wall-clock fields aside."""
+    from titan_rl.run_dir import comparable
+
+    got = _hybrid_rl(tmp_path, ["--rollout.placement=separate", "--rollout.engine_tp=2"])
+    assert [comparable(m) for m in got] == [comparable(m) for m in hybrid_colocated]
+    assert all(m["weights_checksum_equal"] and m["weight_sync_bytes"] > 0 for m in got if m["phase"] == "rl")

@@ -447,6 +447,34 @@ def test_killed_engines_and_trainers_stop_cleanly_and_the_relaunch_continues(uni
     assert [_comparable(m) for m in _metrics(run_b)] == [_comparable(m) for m in _metrics(run_a)]
 
 
+# rl_debug_fp8.toml (fp8_rowwise: the decoder linears' weights and activations in FP8), 2 SFT + 2 RL steps
+FP8_RL = ["--config", "train_configs/rl_debug_fp8.toml", "--training.steps=4", "--algorithm.sft_steps=2",
+          "--algorithm.prompts_per_step=4", "--algorithm.group_size=4", "--algorithm.sft_batch=16",
+          "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false"]
+
+
+def test_two_separate_engines_with_a_quantized_recipe_write_the_colocated_metrics(tmp_path):
+    """quantization.recipe = fp8_rowwise, rollout.engines = 2: two engine processes, each
+    sampling half of the step's requests with the fp8 payloads and scales sent to it over the
+    weight transfer (checked in its own process), log every metrics line of the colocated run
+    (one in-process engine, all requests), wall-clock fields aside; the bytes sent are the
+    colocated run's once per engine."""
+    runs = {}
+    for name, extra in [("colocated", []), ("separate", [*SEPARATE, "--rollout.engines=2"])]:
+        cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / name), *FP8_RL, *extra]
+        r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[name] = _metrics(tmp_path / name)
+    want, got = runs["colocated"], runs["separate"]
+    assert [m["phase"] for m in got] == ["sft", "sft", "rl", "rl"]
+    assert all(m["max_abs_dlogp"] == 0.0 and m["weights_checksum_equal"] for m in got if m["phase"] == "rl")
+    assert got[2]["contract_entries"]["quantization"].startswith("fp8_rowwise")
+    sent = [m.get("weight_sync_bytes") for m in want]
+    assert [m.get("weight_sync_bytes") for m in got] == [None if b is None else 2 * b for b in sent]
+    strip = lambda m: {k: v for k, v in _comparable(m).items() if k != "weight_sync_bytes"}  # noqa: E731
+    assert [strip(m) for m in got] == [strip(m) for m in want]
+
+
 def test_one_step_off_policy_keeps_the_operator_mismatch_at_zero_through_an_engine_restart(uninterrupted, tmp_path):
     """max_off_policy_steps = 1: the engine samples step t+1 while the trainer trains step t.
     Every RL line has its policy lag (0 on the first, then 1), max |dlogp| against the
