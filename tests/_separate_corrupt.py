@@ -1,11 +1,14 @@
 """For tests/test_engine_link.py, run as `python tests/_separate_corrupt.py RUN_DIR` in a fresh
 process (an engine in its own process cannot start from one that ran an in-process engine).
 
-A separate engine (rollout.placement = "separate", the qwen3 debug model in bf16): step 1
-syncs untouched; at step 2 the engine's fused q/k/v is changed in its own process through the
-worker extension (titan_corrupt_operand) once the transfer is loaded, before it checks; step 3
-untouched again; step 4 the same for the LM head's copy. Prints one line per sync:
-"PASSED <step>" or "STOPPED <step> <the RunStopped message>" (a message of one line).
+A separate engine (rollout.placement = "separate") of the GDN hybrid (qwen3_hybrid debug, bf16:
+GDN layers and a standard attention layer, so both kinds of operand): step 1 syncs untouched;
+at step 2 the engine's first GDN input projection (the GEMM weight it multiplies by) is changed
+in its own process through the worker extension (titan_corrupt_operand) once the transfer is
+loaded, before it checks; step 3 untouched again; step 4 the same for the attention layer's
+fused q/k/v, step 6 for the LM head's copy. One engine start serves them all (each start is
+tens of seconds of the suite). Prints one line per sync: "PASSED <arch> <step>" or
+"STOPPED <arch> <step> <the RunStopped message>" (a message of one line).
 """
 
 import os
@@ -25,13 +28,26 @@ SMALL = ["--rollout.kv_cache_mib=32", "--rollout.max_model_len=64", "--rollout.m
          "--algorithm.prompts_per_step=2", "--algorithm.group_size=2"]
 
 
+CASES = [  # (architecture, flavor, [(step, the operand changed before its check, or None)])
+    ("qwen3_hybrid", "debug_hybrid", [(1, None), (2, "model.layers.0.linear_attn.in_proj_qkvz.gemm_weight"),
+                                      (3, None), (4, "model.layers.3.self_attn.packed_qkv"), (5, None),
+                                      (6, "lm_head.prepared")]),
+]
+
+
 def main(run_dir: str) -> None:
-    cfg = config.load(None, [*SMALL, "--rollout.placement=separate", "--model.dtype=\"bfloat16\""])
+    for arch, flavor, steps in CASES:
+        run(os.path.join(run_dir, arch), arch, flavor, steps)
+
+
+def run(run_dir: str, arch: str, flavor: str, steps: list) -> None:
+    cfg = config.load(None, [*SMALL, "--rollout.placement=separate", "--model.dtype=\"bfloat16\"",
+                             f"--model.name={arch}", f"--model.flavor={flavor}"])
     model = get_architecture(cfg.model.name).build(cfg.model.flavor, cfg.model_options()).init_weights(1, 0.05)
     link = SeparateEngines(cfg, run_dir, model.to(torch.bfloat16), torch.bfloat16, Ranks(), "collective")
     try:
         link._start(1)
-        for step, corrupt in [(1, None), (2, "model.layers.0.self_attn.packed_qkv"), (3, None), (4, "lm_head.prepared")]:
+        for step, corrupt in steps:
             e = link.engines[0]
             real = e.sender.send_state
             if corrupt:
@@ -42,9 +58,10 @@ def main(run_dir: str) -> None:
 
                 e.sender.send_state = send_then_corrupt
             try:
-                print(f"PASSED {step}" if link.sync(step=step) is True else f"RETURNED {step}", flush=True)
+                print(f"PASSED {arch} {step}" if link.sync(step=step) is True else f"RETURNED {arch} {step}",
+                      flush=True)
             except RunStopped as err:
-                print(f"STOPPED {step} {err}".replace("\n", "\\n"), flush=True)
+                print(f"STOPPED {arch} {step} {err}".replace("\n", "\\n"), flush=True)
             finally:
                 e.sender.send_state = real
     finally:

@@ -234,7 +234,8 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
 
 def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_path):
     """rollout.placement = "separate": the engine checks in its own process (the worker
-    extension's titan_verify_weights). Its fused q/k/v, then its LM head copy, changed there
+    extension's titan_verify_weights). On the GDN hybrid (GDN and attention layers): its first GDN
+    input projection, its attention layer's fused q/k/v, then its LM head copy, changed there
     (titan_corrupt_operand) after it loaded a transfer: the run stops naming the operand, in
     one line; untouched syncs pass before each. In a fresh process (tests/_separate_corrupt.py):
     an engine in its own process cannot start from one that ran an in-process engine."""
@@ -245,14 +246,16 @@ def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_p
     r = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASSED ", "STOPPED "))]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert [ln.split(" ", 2)[:2] for ln in lines] == [["PASSED", "1"], ["STOPPED", "2"], ["PASSED", "3"],
-                                                       ["STOPPED", "4"]], r.stdout[-3000:]
-    for line, name in zip(lines[1::2], ["model.layers.0.self_attn.packed_qkv", "lm_head.prepared"]):
-        step = line.split(" ", 2)[1]
+    assert [ln.split(" ", 3)[:3] for ln in lines] == [
+        [("PASSED", "STOPPED")[step % 2 == 0], "qwen3_hybrid", str(step)] for step in range(1, 7)], r.stdout[-3000:]
+    names = ["model.layers.0.linear_attn.in_proj_qkvz.gemm_weight", "model.layers.3.self_attn.packed_qkv",
+             "lm_head.prepared"]
+    for line, name in zip(lines[1::2], names):
+        arch, step = line.split(" ", 3)[1:3]
         assert "\\n" not in line  # one line (the script writes a newline as a visible \\n)
-        assert re.fullmatch(rf"STOPPED {step} weights after the weight sync of step {step}: engine 0 holds other "
-                            rf"weights than the trainer's forward uses: {re.escape(name)} \(sha256 of what each side "
-                            r"multiplies by, computed in each process\)\. .*", line), line
+        assert re.fullmatch(rf"STOPPED {arch} {step} weights after the weight sync of step {step}: engine 0 holds "
+                            rf"other weights than the trainer's forward uses: {re.escape(name)} \(sha256 of what "
+                            r"each side multiplies by, computed in each process\)\. .*", line), line
 
 
 @pytest.mark.parametrize("arch, flavor", sorted({(c[0], c[1]) for c in PREPARED_CASES}))
