@@ -63,6 +63,10 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
     (["--rollout.placement=separate", "--rollout.engine_tp=2"], r"rollout.engine_tp = 2 needs model.tp_leaves"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.name=qwen3_5", "--model.flavor=debug_qwen35"],
      r"rollout.engine_tp = 2: 'qwen3_5' has no TP plan"),
+    (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.tp_leaves=2",
+      "--quantization.recipe=fp8_rowwise"],
+     r"rollout.engine_tp = 2 with quantization.recipe = 'fp8_rowwise': a sharded weight's scales would be taken over "
+     r"its shard; allowed: engine_tp = 1"),
     (["--rollout.placement=separate", "--model.kernels=stock"], r"placement = 'separate' with model.kernels = 'stock'"),
     (["--rollout.placement=separate", "--sampling.mask_mode=replay", "--sampling.top_p=0.9"],
      r"placement = 'separate' with sampling.mask_mode = 'replay'"),
