@@ -1,6 +1,7 @@
 """The pieces of separate placement that need no engine: the weight-transfer wire format,
 the contract crossing a process boundary as its entries, the start-up refusals. The runs
-themselves (torchrun, faults, off-policy steps) are in tests/test_train.py."""
+themselves (torchrun, faults, off-policy steps, 2 engines with a quantized recipe) are in
+tests/test_train.py, engine TP 2 on the GDN hybrid in tests/test_hybrid.py."""
 
 import pytest
 import torch
