@@ -328,37 +328,52 @@ HYBRID_RL = ["--config", "train_configs/rl_debug_hybrid.toml", "--training.steps
              "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false", "--model.tp_leaves=2"]
 
 
-def _hybrid_rl(run_dir, extra=()) -> list[dict]:
-    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), *HYBRID_RL, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                       cwd=os.path.join(os.path.dirname(__file__), ".."))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
-
-
 @pytest.fixture(scope="module")
-def hybrid_colocated(tmp_path_factory) -> list[dict]:
-    """The metrics of a short colocated RL run on the hybrid (2 SFT + 2 RL steps), run once."""
-    return _hybrid_rl(tmp_path_factory.mktemp("hybrid_colocated"))
+def hybrid_runs(tmp_path_factory) -> dict:
+    """A short RL run on the hybrid (2 SFT + 2 RL steps), colocated and with a separate engine
+    of TP 2, both at once (one thread each: the suite's 2 cores): name -> (return code, output,
+    metrics lines)."""
+    extras = {"colocated": [], "separate_tp2": ["--rollout.placement=separate", "--rollout.engine_tp=2"]}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    dirs = {name: tmp_path_factory.mktemp(f"hybrid_{name}") for name in extras}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "titan_rl.train", "--run-dir", str(dirs[name]), *HYBRID_RL,
+                                     *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    cwd=os.path.join(os.path.dirname(__file__), ".."))
+             for name, extra in extras.items()}
+    try:
+        outs = {name: p.communicate(timeout=300)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    runs = {}
+    for name, p in procs.items():
+        path = dirs[name] / "metrics.jsonl"
+        lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+        runs[name] = (p.returncode, outs[name], lines)
+    return runs
 
 
-def test_rl_run_on_the_hybrid_has_zero_mismatch(hybrid_colocated):
-    ms = hybrid_colocated
+def _run(runs: dict, name: str) -> list[dict]:
+    code, out, lines = runs[name]
+    assert code == 0, out[-3000:]
+    return lines
+
+
+def test_rl_run_on_the_hybrid_has_zero_mismatch(hybrid_runs):
+    ms = _run(hybrid_runs, "colocated")
     assert [m["phase"] for m in ms] == ["sft", "sft", "rl", "rl"]
     for m in ms[2:]:
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0, m
         assert m["weights_checksum_equal"] is True
 
 
-def test_a_separate_engine_at_tp_2_writes_the_colocated_metrics(hybrid_colocated, tmp_path):
+def test_a_separate_engine_at_tp_2_writes_the_colocated_metrics(hybrid_runs):
     """rollout.placement = "separate", rollout.engine_tp = 2: the engine in its own process with
     two vLLM workers, each holding half of the GDN and attention heads (and their recurrent
     state), weights sent over vLLM's weight transfer and checked per worker: every metrics line
     of the colocated run at the same leaf tree, wall-clock fields aside."""
     from titan_rl.run_dir import comparable
 
-    got = _hybrid_rl(tmp_path, ["--rollout.placement=separate", "--rollout.engine_tp=2"])
-    assert [comparable(m) for m in got] == [comparable(m) for m in hybrid_colocated]
+    got = _run(hybrid_runs, "separate_tp2")
+    assert [comparable(m) for m in got] == [comparable(m) for m in _run(hybrid_runs, "colocated")]
     assert all(m["weights_checksum_equal"] and m["weight_sync_bytes"] > 0 for m in got if m["phase"] == "rl")

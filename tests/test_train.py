@@ -458,14 +458,19 @@ def test_two_separate_engines_with_a_quantized_recipe_write_the_colocated_metric
     sampling half of the step's requests with the fp8 payloads and scales sent to it over the
     weight transfer (checked in its own process), log every metrics line of the colocated run
     (one in-process engine, all requests), wall-clock fields aside; the bytes sent are the
-    colocated run's once per engine."""
-    runs = {}
-    for name, extra in [("colocated", []), ("separate", [*SEPARATE, "--rollout.engines=2"])]:
-        cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / name), *FP8_RL, *extra]
-        r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[name] = _metrics(tmp_path / name)
-    want, got = runs["colocated"], runs["separate"]
+    colocated run's once per engine. Both runs at once (one thread each: the suite's 2 cores)."""
+    procs = {name: subprocess.Popen([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / name),
+                                     *FP8_RL, *extra], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+             for name, extra in [("colocated", []), ("separate", [*SEPARATE, "--rollout.engines=2"])]}
+    try:
+        outs = {name: p.communicate(timeout=300)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name}: {outs[name][-3000:]}"
+    want, got = _metrics(tmp_path / "colocated"), _metrics(tmp_path / "separate")
     assert [m["phase"] for m in got] == ["sft", "sft", "rl", "rl"]
     assert all(m["max_abs_dlogp"] == 0.0 and m["weights_checksum_equal"] for m in got if m["phase"] == "rl")
     assert got[2]["contract_entries"]["quantization"].startswith("fp8_rowwise")
