@@ -4,9 +4,9 @@ TorchTitan owns the model build and parallelize (our ModelSpec), the optimizer a
 schedule objects, DCP checkpoints (save every `checkpoint.interval`, resume on relaunch)
 and the step loop. We override `train_step`; inside it we clip gradients
 (`_optimizer_step`) and set the LR per phase (`_set_phase_lr`) ourselves. The step uses
-three services: the engine link (titan_rl.rl.engine_link: sample, sync, prove), the batch
-plan (titan_rl.rl.batch_plan: how the global batch is cut and reduced) and the metrics
-file (titan_rl.run_dir). Everything random is a pure function of (training.seed, step,
+three services: the engine link (titan_rl.rl.engine_link: rollouts, possibly sampled
+ahead, the weight sync, the proofs), the batch plan (titan_rl.rl.batch_plan: how the
+global batch is cut and reduced) and the metrics file (titan_rl.run_dir). Everything random is a pure function of (training.seed, step,
 global index), never of the rank, so a resumed run logs the same metrics as an
 uninterrupted one and every layout samples the same rollouts.
 """
@@ -33,14 +33,15 @@ from titan_rl.dtypes import DTYPES
 from titan_rl.errors import RunStopped, UserError
 from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.reduction import fixed_sum
+from titan_rl.metrics import expert_disagreement, index_disagreement
 from titan_rl.registry import get_architecture
 from titan_rl.rl.batch_plan import plan_for
-from titan_rl.rl.engine_link import ColocatedEngine
 from titan_rl.rl.evaluation import RunEvaluation
-from titan_rl.rl.separate_engines import SeparateEngines
+from titan_rl.rl.links import link_for
 from titan_rl.rl.global_batch import rank_share
 from titan_rl.rl.ranks import Ranks
-from titan_rl.rl.seeds import completion_seeds, prompt_seed, sft_seed
+from titan_rl.rl.requests import step_requests
+from titan_rl.rl.seeds import sft_seed
 from titan_rl.rollout import ScoredBatch, pad_sequences, response_mask
 from titan_rl.run_dir import MetricsFile, console_line, latest_checkpoint_step
 from titan_rl.tasks import check_reward, load_task
@@ -64,12 +65,7 @@ class RLTrainer(Trainer):
         self.evaluation = RunEvaluation(rl, self.task, self.ranks) if rl.eval.interval else None
         compute_dtype = DTYPES[self.config.training.mixed_precision_param]
         contract.check_ranks(contract.contract_of(self.model, dtype=compute_dtype, gradient_leaves=self.plan.reduction))
-        link = SeparateEngines if rl.rollout.placement == "separate" else ColocatedEngine
-        self.engine = link(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
-        # separate placement: rollouts started ahead (step -> Pending), and the weights of the
-        # last max_off_policy_steps versions (version -> parameters) to rescore them with
-        self._ahead: dict = {}
-        self._versions: dict[int, list[torch.Tensor]] = {}
+        self.engine = link_for(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
         self.metrics = MetricsFile(run_dir, self.ranks.rank)
         self._resumed_checked = False
         self.corrections = rl.correction
@@ -159,7 +155,7 @@ class RLTrainer(Trainer):
         times = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         if lag:  # engine vs trainer at the rollout's own (older) weights: the operator mismatch alone
             t0 = time.perf_counter()
-            with torch.no_grad(), self._weights_of(version):
+            with torch.no_grad(), self.engine.versions.at(version):
                 pi_behaviour = torch.cat([self._score(b, rows, None) for rows in pieces])
             times["forward"] += time.perf_counter() - t0
             self._at_rollout_weights(b, pi_behaviour, [], metrics)
@@ -190,7 +186,6 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         same = self.engine.sync(self.step)
         times["weight_sync"], times["rollout"] = time.perf_counter() - t0, t_roll
-        self._keep_version(self.step)
         n_tok = int(b.mask.sum())
         stats = self.plan.batch_stats(rewards, n_tok, B, b.loss_mask, update["pieces"])
         metrics.update({
@@ -284,11 +279,11 @@ class RLTrainer(Trainer):
         if b.routes is not None:
             valid = b.routes[:, :, 0, 0] >= 0
             routes = torch.cat([o["routes"] for o in own]).view(*b.routes.shape[:2], *b.routes.shape[2:])
-            metrics["expert_disagreement"] = self.plan.expert_disagreement(b.routes[valid], routes[valid])
+            metrics["expert_disagreement"] = self.plan.disagreement(expert_disagreement, b.routes[valid], routes[valid])
         if b.indices is not None:  # each recorded (position, indexer layer) set vs the trainer indexer's own
             valid = b.indices[:, :, 0, 0] >= 0
             sets = torch.cat([o["indices"] for o in own]).view(*b.indices.shape)
-            metrics["index_disagreement"] = self.plan.index_disagreement(b.indices[valid], sets[valid])
+            metrics["index_disagreement"] = self.plan.disagreement(index_disagreement, b.indices[valid], sets[valid])
         if enabled(self.corrections):
             b.weights, b.loss_mask, cstats = self.plan.correct(pi_old, b.mu, b.mask, self.corrections)
             b.ref = pi_old
@@ -302,76 +297,18 @@ class RLTrainer(Trainer):
     def _rollout(self) -> tuple[list, object, float, int]:
         """Sample this data-parallel rank's share of the step's global prompts: (the task
         example of each request, the rollout, seconds spent in generate, the training step
-        whose weights sampled it). Separate engines: the rollouts of the next
-        max_off_policy_steps steps are started before this one is trained on."""
+        whose weights sampled it)."""
         s, a = self.rl.sampling, self.rl.algorithm
         examples, reqs, params = self._requests(self.step)
         # MoE routes are always recorded: disagreement is measured even without replay
         # sparse attention: the selected key sets too (disagreement is measured when pinned as well)
-        capture = {"kept_sets": s.mask_mode == "replay", "routes": self.is_moe, "indices": self.is_sparse}
-        if isinstance(self.engine, SeparateEngines):
-            pending = self._ahead.pop(self.step, None) or self.engine.start(self.step, reqs, params)
-            self._keep_version(self.step - 1)
-            for ahead in range(self.step + 1, min(self.step + self.rl.rollout.max_off_policy_steps,
-                                                  self.rl.training.steps) + 1):
-                if ahead not in self._ahead:
-                    self._ahead[ahead] = self.engine.start(ahead, *self._requests(ahead)[1:])
-            rollout, dt, version = self.engine.finish(pending, **capture)
-        else:
-            rollout, dt = self.engine.sample(reqs, params, **capture)
-            version = self.step - 1
+        capture = [name for name, on in (("kept_sets", s.mask_mode == "replay"), ("routes", self.is_moe),
+                                         ("indices", self.is_sparse)) if on]
+        rollout, dt, version = self.engine.rollout(self.step, reqs, params, self._requests, capture)
         return [examples[j // a.group_size] for j in range(len(rollout))], rollout, dt, version
 
-    def _keep_version(self, version: int) -> None:
-        """Keep the current parameters as `version` while a rollout sampled with it may still
-        be trained on (separate engines sampling ahead); older versions are dropped."""
-        k = self.rl.rollout.max_off_policy_steps
-        if not k:
-            return
-        if version not in self._versions:
-            self._versions[version] = [p.detach().clone() for p in self.model.parameters()]
-        for v in [v for v in self._versions if v < version - k]:
-            del self._versions[v]
-
-    def _weights_of(self, version: int):
-        """A context in which the model holds the parameters of `version`."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def swapped():
-            params = list(self.model.parameters())
-            now = [p.detach().clone() for p in params]
-            with torch.no_grad():
-                for p, old in zip(params, self._versions[version]):
-                    p.copy_(old)
-            try:
-                yield
-            finally:
-                with torch.no_grad():
-                    for p, cur in zip(params, now):
-                        p.copy_(cur)
-
-        return swapped()
-
     def _requests(self, step: int) -> tuple[list, list, list]:
-        """This data-parallel rank's share of `step`'s prompts: (the task examples, the
-        requests, their sampling params, seeded from (seed, step, global index))."""
-        from vllm import SamplingParams
-
-        a, s, seed = self.rl.algorithm, self.rl.sampling, self.rl.training.seed
-        share = rank_share(a.prompts_per_step, self.ranks.dp_degree, self.ranks.dp_rank)
-        examples = self.task.sample(a.prompts_per_step, seed=prompt_seed(seed, step))[share.start:share.stop]
-        seeds = iter(completion_seeds(seed, step, share, a.group_size))
-        tok = self.task.tokenizer
-        stop = list(getattr(tok, "stop_ids", [tok.eos_id]))  # a chat model's end of turn as well as EOS
-        reqs, params = [], []
-        for ex in examples:
-            for _ in range(a.group_size):
-                reqs.append({"prompt_token_ids": list(ex.prompt_ids)})
-                params.append(SamplingParams(
-                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
-                    stop_token_ids=stop, logprobs=0, seed=next(seeds)))
-        return examples, reqs, params
+        return step_requests(self.rl, self.task, self.ranks, step)
 
     def _rewards(self, examples: list, tokens: list[list[int]]) -> list[float]:
         """The task's rewards of each request's sampled tokens, each checked finite (a NaN
