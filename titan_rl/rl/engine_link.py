@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_rl import contract
+from titan_rl.choices import KINDS
 from titan_rl.dtypes import DTYPES
 from titan_rl.errors import RunStopped
 from titan_rl.rl.ranks import Ranks
@@ -82,9 +83,8 @@ class EngineLink(abc.ABC):
     @abc.abstractmethod
     def collect(self, ticket: Ticket, capture=()) -> tuple[Rollout, float, int]:
         """(this rank's Rollout of `ticket`, seconds spent generating, the weights' version);
-        `capture`: also record these of the sampler's choices ("kept_sets": its top-k/top-p
-        kept sets, "routes": the MoE routes, "indices": the sparse-attention key positions
-        each indexer selected; in-process engines only)."""
+        `capture`: also record these kinds of the engine's choices (titan_rl.choices.KINDS:
+        the sampler's kept sets, the MoE routes, the indexers' key sets; in-process engines only)."""
 
     @abc.abstractmethod
     def sync(self, step: int) -> bool | None:
@@ -190,7 +190,7 @@ class ColocatedEngine(EngineLink):
             self._start()
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            records = {name: stack.enter_context(_capture(name, self.llm)) for name in capture}
+            records = {name: stack.enter_context(KINDS[name].open_capture(self.llm)) for name in capture}
             outs = self.llm.generate(ticket.requests, ticket.params, use_tqdm=False)
         dt = time.perf_counter() - t0
         # read after the captures closed: closing is where they report unattributed steps
@@ -236,14 +236,3 @@ class ColocatedEngine(EngineLink):
             raise error or contract.ContractMismatch(
                 f"execution contract {when}: another rank's engine differs from its trainer (that rank names "
                 "the entries)")
-
-
-def _capture(name: str, llm):
-    """The in-process engine's capture of one kind of the sampler's choices."""
-    if name == "kept_sets":
-        from titan_rl.vllm.sampling import capture_kept_sets as capture
-    elif name == "routes":
-        from titan_rl.vllm.routes import capture_routes as capture
-    else:
-        from titan_rl.vllm.indices import capture_indices as capture
-    return capture(llm)
