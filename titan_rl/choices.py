@@ -13,8 +13,8 @@ Three kinds, each declared once below:
 A kind names its engine capture (titan_rl.vllm), when a run records and replays it, the
 model's replay override and own-choice attribute, its disagreement metric, its bytes per
 sampled token and its auxiliary loss. An architecture lists its kinds in its spec
-(`ArchitectureSpec.choice_kinds`); `RunChoices` is one run's set, the only thing the
-trainer asks about them.
+(`ArchitectureSpec.choice_kinds`); `RunChoices` is one run's set, which the trainer asks
+for captures, metrics and auxiliary losses, and `replay` forces a batch's records on the model.
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ KINDS = {k.name: k for k in (
 )}
 
 
+def replay(cfg, model, b, rows: range) -> None:
+    """The engine's records of `rows` in the ScoredBatch `b` forced on the model's next
+    forwards, for each kind recorded there that the run replays."""
+    for k in KINDS.values():
+        if k.override and getattr(b, k.field) is not None and k.replayed(cfg):
+            getattr(model, k.override)(b.flat(k.field, rows))
+
+
 class RunChoices:
     """The choice kinds one run records: the sampler's kept sets and its architecture's kinds."""
 
@@ -91,12 +99,6 @@ class RunChoices:
 
     def bytes_metrics(self, rollout) -> dict:
         return {k.bytes_metric: k.bytes_per_token(rollout, self.cfg) for k in self.kinds}
-
-    def replay(self, model, b, rows: range) -> None:
-        """The engine's records of `rows` forced on the model's next forwards, for the kinds replayed."""
-        for k in self.in_model:
-            if k.replayed(self.cfg):
-                getattr(model, k.override)(b.flat(k.field, rows))
 
     def release(self, model) -> None:
         for k in self.in_model:

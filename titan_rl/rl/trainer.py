@@ -28,7 +28,7 @@ from titan_rl.algorithms import (
     PGLossConfig, enabled, group_advantages, loss_count, policy_gradient_loss, warning_if_exact,
 )
 from titan_rl import contract
-from titan_rl.choices import RunChoices
+from titan_rl.choices import RunChoices, replay
 from titan_rl.dtypes import DTYPES
 from titan_rl.errors import UserError
 from titan_rl.kernels import log_softmax_fp32
@@ -246,7 +246,7 @@ class RLTrainer(Trainer):
         (titan_rl.choices); `own` collects the model's own."""
         from titan_rl.kernels.sampling import sampled_logprobs
 
-        self.choices.replay(self.model, b, rows)
+        replay(self.rl, self.model, b, rows)
         s, mask = self.rl.sampling, b.mask[rows.start:rows.stop]
         logits = self.model(b.tokens[rows.start:rows.stop])[:, :-1][mask]
         pi = sampled_logprobs(logits, b.tokens[rows.start:rows.stop, 1:][mask], s.temperature,
