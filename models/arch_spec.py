@@ -74,6 +74,12 @@ class ArchitectureSpec:
             raise ValueError(f"ArchitectureSpec {self.name!r}: tp_plan = None needs no_tp_reason "
                              "(the error TP > 1 gets)")
 
+    @property
+    def choice_kinds(self) -> tuple[str, ...]:
+        """The choices its layers make that the engine records (titan_rl.choices): MoE routes,
+        sparse attention's key sets."""
+        return ("routes",) * self.moe + ("indices",) * self.sparse_attention
+
     def flavor(self, name: str):
         """The config of flavor `name` (refused by name when unknown)."""
         return flavor_config(self.flavors, name, self.name)

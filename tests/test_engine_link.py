@@ -42,7 +42,7 @@ def _link(tmp_path, seed, *overrides, model=None):
 def _sample(link):
     reqs = [{"prompt_token_ids": [2, 3, 5, 7, 11]}, {"prompt_token_ids": [13, 17]}]
     params = [SamplingParams(max_tokens=4, logprobs=0, seed=i, ignore_eos=True) for i in range(2)]
-    return link.sample(reqs, params, kept_sets=False, routes=False)
+    return link.collect(link.submit(1, reqs, params))
 
 
 def _sample_wide(link):
@@ -51,7 +51,7 @@ def _sample_wide(link):
     copy moved nothing): the log-probs of what the engine computes with every operand."""
     reqs = [{"prompt_token_ids": [(7 * i + 3 * j) % 900 + 2 for j in range(13)]} for i in range(4)]
     params = [SamplingParams(max_tokens=4, logprobs=0, seed=i, ignore_eos=True) for i in range(4)]
-    return link.sample(reqs, params, kept_sets=False, routes=False)
+    return link.collect(link.submit(1, reqs, params))
 
 
 def _built_otherwise(monkeypatch, change):

@@ -65,12 +65,12 @@ def test_a_separate_engine_built_otherwise_is_refused_by_name(tmp_path, monkeypa
     reqs = [{"prompt_token_ids": [2, 3, 5, 7, 11]}, {"prompt_token_ids": [13, 17]}]
     try:
         if message is None:  # the control: the same check passes and the engine samples
-            rollout, _, version = link.finish(link.start(1, reqs, params), kept_sets=False, routes=False)
+            rollout, _, version = link.collect(link.submit(1, reqs, params))
             assert len(rollout.tokens) == 2 and version == 0
             return
         with pytest.raises(ContractMismatch, match=r"execution contract before the first rollout \(engine 0\): "
                                                    r"trainer and engine differ in .*" + message) as e:
-            link.start(1, reqs, params)
+            link.submit(1, reqs, params)
         assert "\n" not in str(e.value)
         assert link.engines, "the engine process was really built, then refused"
     finally:

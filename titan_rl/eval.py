@@ -121,7 +121,8 @@ def evaluate(args) -> dict:
 def _evaluate(args) -> dict:
     import torch
 
-    from titan_rl.rl.evaluation import greedy_requests, score_sums, summary
+    from titan_rl.rl.evaluation import score_sums, summary
+    from titan_rl.rl.requests import greedy_requests
 
     arch, task, kwargs, dtype, new, examples, max_model_len = _checked(args)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))

@@ -201,15 +201,9 @@ class ScoredBatch:
     def kept_rows(self, rows: range) -> torch.Tensor | None:
         return None if self.kept is None else self.kept[self.kept_at[rows.start]:self.kept_at[rows.stop]]
 
-    def flat_routes(self, rows: range) -> list[torch.Tensor]:
-        """The engine's routes of `rows`, per layer [len(rows) * L, k] (router replay)."""
-        r = self.routes[rows.start:rows.stop]
-        flat = r.reshape(len(rows) * r.shape[1], *r.shape[2:])
-        return [flat[:, layer] for layer in range(flat.shape[1])]
-
-    def flat_indices(self, rows: range) -> list[torch.Tensor]:
-        """The engine's selected key positions of `rows`, per indexer layer [len(rows) * L,
-        topk] (index replay)."""
-        r = self.indices[rows.start:rows.stop]
+    def flat(self, field: str, rows: range) -> list[torch.Tensor]:
+        """The engine's recorded choices `field` ("routes", "indices": titan_rl.choices) of
+        `rows`, per layer [len(rows) * L, ...] (the model's replay override)."""
+        r = getattr(self, field)[rows.start:rows.stop]
         flat = r.reshape(len(rows) * r.shape[1], *r.shape[2:])
         return [flat[:, layer] for layer in range(flat.shape[1])]

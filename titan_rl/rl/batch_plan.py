@@ -19,13 +19,15 @@ the world size is known).
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from titan_rl.algorithms import apply_corrections
 from titan_rl.errors import ConfigError
 from titan_rl.kernels import tree_sum
 from titan_rl.kernels.reduction import fixed_sum
-from titan_rl.metrics import STEP_MISMATCH, expert_disagreement, index_disagreement, logprob_mismatch
+from titan_rl.metrics import STEP_MISMATCH, logprob_mismatch
 from titan_rl.rl.ranks import Ranks
 
 # Each leaf is one forward + backward: 2 covers data-parallel degrees 1 and 2 at little
@@ -118,7 +120,7 @@ def plan_for(cfg, model: torch.nn.Module, ranks: Ranks) -> "BatchPlan":
 
 # -- the plans -------------------------------------------------------------------------------
 
-class BatchPlan:
+class BatchPlan(abc.ABC):
     """The interface: `pieces` cuts a rank's share, `backward` runs one piece's, the rest
     reduce the step's values and statistics over the pieces and ranks."""
 
@@ -127,10 +129,10 @@ class BatchPlan:
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
 
+    @abc.abstractmethod
     def pieces(self, total: int, start: int) -> tuple[list[range], int]:
         """The pieces of this rank's share (items [start, start + share) of `total`), as local
         rows, each one forward and backward; and how many pieces the whole step has."""
-        raise NotImplementedError
 
     def widen(self, batch: torch.Tensor, pad: int) -> torch.Tensor:
         """The rank's batch [B, L] as the pieces run it."""
@@ -140,35 +142,33 @@ class BatchPlan:
         """One piece's backward; `last`: this rank's last piece of the update."""
         loss.backward()
 
+    @abc.abstractmethod
     def step_sum(self, values: list[torch.Tensor]) -> float:
         """The pieces' values summed over the step (the loss)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def piece_mean(self, values: list[torch.Tensor]) -> float:
         """The mean of a per-piece statistic over the step (the MoE auxiliary loss)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def mismatch(self, pi: torch.Tensor, mu: torch.Tensor) -> dict:
         """titan_rl.metrics.logprob_mismatch's step statistics of the step's tokens."""
-        raise NotImplementedError
 
-    def expert_disagreement(self, engine_routes: torch.Tensor, own: torch.Tensor) -> float:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def disagreement(self, measure, engine: torch.Tensor, own: torch.Tensor) -> float:
+        """measure(engine, own) over the step's recorded choices of one kind (titan_rl.metrics'
+        expert_disagreement: routes, index_disagreement: key sets)."""
 
-    def index_disagreement(self, engine_sets: torch.Tensor, own: torch.Tensor) -> float:
-        """titan_rl.metrics.index_disagreement over the step's (position, indexer layer) sets."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def correct(self, pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, corrections
                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """titan_rl.algorithms.apply_corrections for this rank's rows: (weights, mask, stats)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def batch_stats(self, rewards: torch.Tensor, tokens: int, rows: int, loss_mask: torch.Tensor,
                     pieces: list[tuple[float, int]]) -> dict:
         """reward_mean, response_length and clip_fraction of the step; `pieces`: the last
         update's (clip_fraction, valid tokens) per piece."""
-        raise NotImplementedError
 
 
 class Collective(BatchPlan):
@@ -187,11 +187,8 @@ class Collective(BatchPlan):
         m = logprob_mismatch(pi, mu)
         return {k: self.ranks.reduce(m[k], how) for k, how in STEP_MISMATCH.items()}
 
-    def expert_disagreement(self, engine_routes, own):
-        return self.ranks.reduce(expert_disagreement(engine_routes, own), "mean")
-
-    def index_disagreement(self, engine_sets, own):
-        return self.ranks.reduce(index_disagreement(engine_sets, own), "mean")
+    def disagreement(self, measure, engine, own):
+        return self.ranks.reduce(measure(engine, own), "mean")
 
     def correct(self, pi_old, mu, mask, corrections):
         weights, new_mask, stats = apply_corrections(pi_old, mu, mask, corrections)
@@ -240,11 +237,8 @@ class LeafTree(BatchPlan):
         m = logprob_mismatch(both[:, 0], both[:, 1])
         return {k: m[k] for k in STEP_MISMATCH}
 
-    def expert_disagreement(self, engine_routes, own):
-        return expert_disagreement(self.ranks.gather_dp(engine_routes), self.ranks.gather_dp(own))
-
-    def index_disagreement(self, engine_sets, own):
-        return index_disagreement(self.ranks.gather_dp(engine_sets), self.ranks.gather_dp(own))
+    def disagreement(self, measure, engine, own):
+        return measure(self.ranks.gather_dp(engine), self.ranks.gather_dp(own))
 
     def correct(self, pi_old, mu, mask, corrections):
         """On the global batch (the same masks and fractions on every layout); this rank keeps its rows."""

@@ -1,10 +1,15 @@
 """The trainer's link to its rollout engine: start it, sample from it, sync weights into it,
 and prove after each of those that it computes what the trainer computes.
 
-`EngineLink` is the interface the RL step uses; `ColocatedEngine` is the in-process vLLM
-engine each trainer rank builds (TP 1, generation and training alternate). A second
-implementation (engines as their own processes) plugs in behind the same four calls:
-`sample`, `sync`, `contract_metrics`, `resume`.
+`EngineLink` is the one interface the RL step uses, whatever runs the engine:
+`submit(step, requests, params) -> Ticket` and `collect(ticket, capture) -> (rollout,
+seconds, version)`, `sync`, `contract_metrics`, `resume`. `rollout` drives them for a
+training step: with `rollout.max_off_policy_steps = K` the next K steps' rollouts are
+submitted before this one is collected, and the parameter versions they may be rescored at
+are kept behind the link (titan_rl.rl.versions). `ColocatedEngine` is the in-process vLLM
+engine each trainer rank builds (TP 1, generation and training alternate; `submit` defers,
+`collect` samples); `SeparateEngines` (titan_rl.rl.separate_engines) runs engines as their
+own processes (`submit` starts generating, `collect` waits).
 
 What a link proves, each time: the execution contracts of both sides agree
 (titan_rl.contract; before the first rollout and after every sync), and after a sync the
@@ -15,15 +20,20 @@ payloads, titan_rl.quant_weights). Any refusal stops every rank together.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
 from titan_rl import contract
+from titan_rl.choices import KINDS
 from titan_rl.dtypes import DTYPES
 from titan_rl.errors import RunStopped
 from titan_rl.rl.ranks import Ranks
+from titan_rl.rl.versions import Versions
 from titan_rl.rollout import Rollout
 from titan_rl.run_dir import engine_folder
 
@@ -38,9 +48,20 @@ def trainer_state(model: torch.nn.Module, dtype: str) -> dict[str, torch.Tensor]
     return {n: _full(p).detach().to(DTYPES[dtype]).contiguous() for n, p in model.named_parameters()}
 
 
-class EngineLink:
-    """The interface: a rollout from requests, a weight sync, the contract's metrics; and
-    the contract check both links share."""
+@dataclass(eq=False)  # a ticket is itself: two of one version are still two
+class Ticket:
+    """A rollout submitted and not yet collected."""
+
+    version: int  # the training step whose weights sample it
+    requests: list | None = None  # colocated: generated when collected
+    params: list | None = None
+    future: Future | None = None  # separate, rank 0: -> (outputs per dp share, seconds); None elsewhere
+
+
+class EngineLink(abc.ABC):
+    """The interface: rollouts submitted and collected, a weight sync, the contract's
+    metrics; and what every link shares: the sample-ahead queue, the kept parameter
+    versions and the contract check."""
 
     def __init__(self, cfg, model: torch.nn.Module, compute_dtype: torch.dtype, ranks: Ranks,
                  gradient_reduction: str):
@@ -51,23 +72,50 @@ class EngineLink:
         # and the last contract hash metrics.jsonl holds (its entries are written when it changes)
         self._contract = None
         self._logged_contract = None
+        self._ahead: dict[int, Ticket] = {}  # step -> its rollout, submitted ahead
+        self._versions: Versions | None = None
 
-    def sample(self, requests: list[dict], params: list, *, kept_sets: bool, routes: bool, indices: bool = False
-               ) -> tuple[Rollout, float]:
-        """(the Rollout record of `requests`, seconds spent generating); `kept_sets` /
-        `routes` / `indices`: also record the sampler's top-k/top-p kept sets / the MoE routes /
-        the sparse-attention key positions each indexer selected."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def submit(self, step: int, requests: list[dict], params: list) -> Ticket:
+        """Start (or schedule) the rollout of `requests` during training step `step`, with the
+        weights the engine holds now."""
+
+    @abc.abstractmethod
+    def collect(self, ticket: Ticket, capture=()) -> tuple[Rollout, float, int]:
+        """(this rank's Rollout of `ticket`, seconds spent generating, the weights' version);
+        `capture`: also record these kinds of the engine's choices (titan_rl.choices.KINDS:
+        the sampler's kept sets, the MoE routes, the indexers' key sets; in-process engines only)."""
+
+    @abc.abstractmethod
+    def sync(self, step: int) -> bool | None:
+        """The trainer's current weights into the engine; the checksum's verdict (None
+        where the engine's parameters are not ours to compare: the stock engine)."""
+
+    def rollout(self, step: int, requests: list[dict], params: list, requests_of, capture=()
+                ) -> tuple[Rollout, float, int]:
+        """collect() of step `step`'s rollout (`requests`, `params`), submitted now unless it
+        was submitted ahead; first the rollouts of the next max_off_policy_steps steps are
+        submitted (`requests_of(step)` -> (examples, requests, params)), and the current
+        parameters kept as version step - 1 while a rollout sampled with them may be trained on."""
+        r = self.cfg.rollout
+        ticket = self._ahead.pop(step, None) or self.submit(step, requests, params)
+        self.versions.keep(step - 1)
+        for ahead in range(step + 1, min(step + r.max_off_policy_steps, self.cfg.training.steps) + 1):
+            if ahead not in self._ahead:
+                self._ahead[ahead] = self.submit(ahead, *requests_of(ahead)[1:])
+        return self.collect(ticket, capture)
+
+    @property
+    def versions(self) -> Versions:
+        """The parameter versions rollouts in flight were sampled with (`versions.at(v)`)."""
+        if self._versions is None:
+            self._versions = Versions(self.model, self.cfg.rollout.max_off_policy_steps)
+        return self._versions
 
     def generate(self, step: int, requests: list[dict], params: list) -> list[list[int]]:
         """The tokens the engine generates for `requests` at its current weights, nothing
         recorded beyond them (an evaluation, not a rollout), during training step `step`."""
-        return self.sample(requests, params, kept_sets=False, routes=False)[0].tokens
-
-    def sync(self, step: int) -> bool | None:
-        """The trainer's current weights into the engine; the checksum's verdict (None
-        where the engine's parameters are not ours to compare: the stock engine)."""
-        raise NotImplementedError
+        return self.collect(self.submit(step, requests, params))[0].tokens
 
     def metrics(self) -> dict:
         """The link's own entries of the step line (none for the colocated engine)."""
@@ -134,28 +182,19 @@ class ColocatedEngine(EngineLink):
                             quantization=self.cfg.quantization.recipe)
         self._check_contract("before the first rollout")
 
-    def sample(self, requests, params, *, kept_sets, routes, indices=False):
+    def submit(self, step, requests, params):
+        return Ticket(step - 1, requests, params)  # sampled when collected: the weights synced after step - 1
+
+    def collect(self, ticket, capture=()):
         if self.llm is None:
             self._start()
         t0 = time.perf_counter()
-        ks = rec = idx = None
         with contextlib.ExitStack() as stack:
-            if kept_sets:
-                from titan_rl.vllm.sampling import capture_kept_sets
-
-                ks = stack.enter_context(capture_kept_sets(self.llm))
-            if routes:
-                from titan_rl.vllm.routes import capture_routes
-
-                rec = stack.enter_context(capture_routes(self.llm))
-            if indices:
-                from titan_rl.vllm.indices import capture_indices
-
-                idx = stack.enter_context(capture_indices(self.llm))
-            outs = self.llm.generate(requests, params, use_tqdm=False)
+            records = {name: stack.enter_context(KINDS[name].open_capture(self.llm)) for name in capture}
+            outs = self.llm.generate(ticket.requests, ticket.params, use_tqdm=False)
         dt = time.perf_counter() - t0
         # read after the captures closed: closing is where they report unattributed steps
-        return Rollout.from_vllm(outs, kept_sets=ks, routes=rec, indices=idx), dt
+        return Rollout.from_vllm(outs, **records), dt, ticket.version
 
     def sync(self, step):
         from titan_rl.quant_weights import quantized_state, trainer_digests, weight_recipes

@@ -14,18 +14,8 @@ from __future__ import annotations
 import time
 
 from titan_rl.rl.global_batch import rank_share
+from titan_rl.rl.requests import greedy_requests
 from titan_rl.tasks import check_reward, eval_seed
-
-
-def greedy_requests(task, examples: list, max_new_tokens: int) -> tuple[list[dict], list]:
-    """One greedy request per example, stopping on the task tokenizer's stop ids."""
-    from vllm import SamplingParams
-
-    tok = task.tokenizer
-    stop = list(getattr(tok, "stop_ids", [tok.eos_id]))
-    # logprobs=0: the sampled token's own, which the rollout record reads
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop, logprobs=0)
-    return [{"prompt_token_ids": list(ex.prompt_ids)} for ex in examples], [params] * len(examples)
 
 
 def score_sums(task, name: str, examples: list, completions: list[list[int]], step: int = 0) -> list[float]:

@@ -14,9 +14,9 @@ transfer the engine checks, in its process, the sha256 of every weight its forwa
 multiplies by against the digests the trainer sent, and describes its own execution
 contract, which the trainer checks against its own: two processes' accounts.
 
-With `rollout.max_off_policy_steps = K` >= 1 the trainer starts the rollouts of the next K
-steps before training on this one (`start` returns at once, generation runs in a thread
-while the engine processes compute); a weight transfer first waits for the rollouts
+With `rollout.max_off_policy_steps = K` >= 1 the link submits the rollouts of the next K
+steps before the trainer trains on this one (`submit` returns at once, generation runs in a
+thread while the engine processes compute); a weight transfer first waits for the rollouts
 started before it, so each rollout's version is the one it was started under.
 
 Faults: an engine process that dies is seen within about a second (vLLM's client watches
@@ -30,7 +30,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from titan_rl import contract
 from titan_rl.errors import RunStopped
-from titan_rl.rl.engine_link import EngineLink, trainer_state
+from titan_rl.rl.engine_link import EngineLink, Ticket, trainer_state
 from titan_rl.rollout import Rollout
 from titan_rl.run_dir import engine_folder
 
@@ -58,14 +58,6 @@ class _Engine:
     layout: dict  # its TP layout (rank 0's: degree and the weights split along which dim)
 
 
-@dataclass
-class Pending:
-    """A rollout started and not yet handed to the ranks."""
-
-    future: Future | None  # rank 0: -> (outputs per dp share, seconds); None elsewhere
-    version: int  # the training step whose weights it is sampled with
-
-
 class SeparateEngines(EngineLink):
     def __init__(self, cfg, run_dir: str, model: torch.nn.Module, compute_dtype: torch.dtype, ranks,
                  gradient_reduction: str):
@@ -73,12 +65,12 @@ class SeparateEngines(EngineLink):
         self.run_dir = run_dir
         self.engines: list[_Engine] = []
         self.version: int | None = None  # the training step whose weights the engines hold
-        self.started: list[Pending] = []
+        self.started: list[Ticket] = []
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan_rl-rollout") \
             if ranks.rank == 0 else None
         self.restarts = 0
         self.sync_bytes = 0
-        self._last_sent = None  # rank 0: (state sent, its digests, step) of the last transfer
+        self._last_sent = None  # rank 0, restart_engines: (state sent, its digests, step) of the last transfer
 
     # -- the engines (rank 0) --------------------------------------------------------------
     def _launch(self, index: int, folder: str) -> _Engine:
@@ -140,7 +132,7 @@ class SeparateEngines(EngineLink):
         return bool(dead) or not all(_alive(p) for p in e.pids)
 
     # -- sampling --------------------------------------------------------------------------
-    def start(self, step: int, requests: list[dict], params: list) -> Pending:
+    def submit(self, step, requests, params):
         """Gather the ranks' requests for `step` on rank 0 and start generating them with the
         engines' current weights (returns at once)."""
         if not self.engines and self.version is None:
@@ -158,11 +150,11 @@ class SeparateEngines(EngineLink):
                 by_dp.setdefault(dp, (reqs, ps))
             ordered = [by_dp[d] for d in sorted(by_dp)]
             future = self.thread.submit(self._generate, step, ordered)
-        p = Pending(future, self.version)
+        p = Ticket(self.version, future=future)
         self.started.append(p)
         return p
 
-    def finish(self, p: Pending, *, kept_sets: bool, routes: bool, indices: bool = False) -> tuple[Rollout, float, int]:
+    def collect(self, p, capture=()):
         """(this rank's Rollout, seconds rank 0 spent generating, the weights' version). The
         captures are in-process only: config validation refuses what would need them here."""
         payload, error = None, None
@@ -194,12 +186,6 @@ class SeparateEngines(EngineLink):
             dist.all_gather_object(every, self.ranks.dp_rank)
             self._dp_of_rank = every
         return self._dp_of_rank
-
-    def sample(self, requests, params, *, kept_sets, routes, indices=False):
-        raise NotImplementedError("SeparateEngines: use start(step, ...) and finish(...)")
-
-    def generate(self, step, requests, params):
-        return self.finish(self.start(step, requests, params), kept_sets=False, routes=False)[0].tokens
 
     def _generate(self, step: int, shares: list[tuple]) -> tuple[list[list], float]:
         """Rank 0's rollout thread: the shares' requests in one global order, cut into one
@@ -274,17 +260,19 @@ class SeparateEngines(EngineLink):
             for p in self.started:  # rollouts started before this sync are sampled with the old weights
                 try:
                     p.future.exception()
-                except BaseException:  # noqa: BLE001  (finish() reports it)
+                except BaseException:  # noqa: BLE001  (collect() reports it)
                     pass
-        # a copy: in the compute dtype `trainer_state` may return the parameters themselves, and
-        # a restarted engine is re-sent these while the trainer steps on (self._last_sent)
-        state = {n: t.clone() for n, t in trainer_state(self.model, self.cfg.model.dtype).items()}
+        state = trainer_state(self.model, self.cfg.model.dtype)
+        if self.cfg.rollout.restart_engines:
+            # a copy: in the compute dtype `trainer_state` may return the parameters themselves, and
+            # a restarted engine is re-sent these while the trainer steps on (self._last_sent)
+            state = {n: t.clone() for n, t in state.items()}
         recipes = weight_recipes(self.model)
         self.version = step
         if self.ranks.rank == 0:
             sent = quantized_state(state, recipes)
             expected = _expected_digests(self.model, state, recipes, sent, self.engines[0].layout)
-            self._last_sent = (sent, expected, step)
+            self._last_sent = (sent, expected, step) if self.cfg.rollout.restart_engines else None
             self.sync_bytes = 0
             try:
                 for i, e in enumerate(self.engines):

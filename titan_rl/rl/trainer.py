@@ -2,21 +2,20 @@
 
 TorchTitan owns the model build and parallelize (our ModelSpec), the optimizer and LR
 schedule objects, DCP checkpoints (save every `checkpoint.interval`, resume on relaunch)
-and the step loop. We override `train_step`; inside it we clip gradients
-(`_optimizer_step`) and set the LR per phase (`_set_phase_lr`) ourselves. The step uses
-three services: the engine link (titan_rl.rl.engine_link: sample, sync, prove), the batch
-plan (titan_rl.rl.batch_plan: how the global batch is cut and reduced) and the metrics
-file (titan_rl.run_dir). Everything random is a pure function of (training.seed, step,
-global index), never of the rank, so a resumed run logs the same metrics as an
-uninterrupted one and every layout samples the same rollouts.
+and the step loop. We override `train_step`; inside it we clip gradients and set the LR
+per phase ourselves (titan_rl.rl.optimizer_step). The step uses three services: the engine
+link (titan_rl.rl.engine_link: rollouts, possibly sampled ahead, the weight sync, the
+proofs), the batch plan (titan_rl.rl.batch_plan: how the global batch is cut and reduced)
+and the metrics file (titan_rl.run_dir); the recorded choices it replays and measures are
+titan_rl.choices'. Everything random is a pure function of (training.seed, step, global
+index), never of the rank, so a resumed run logs the same metrics as an uninterrupted one
+and every layout samples the same rollouts.
 """
 
 from __future__ import annotations
 
-import math
 import resource
 import time
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,22 +28,24 @@ from titan_rl.algorithms import (
     PGLossConfig, enabled, group_advantages, loss_count, policy_gradient_loss, warning_if_exact,
 )
 from titan_rl import contract
+from titan_rl.choices import RunChoices, replay
 from titan_rl.dtypes import DTYPES
-from titan_rl.errors import RunStopped, UserError
+from titan_rl.errors import UserError
 from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.reduction import fixed_sum
 from titan_rl.registry import get_architecture
 from titan_rl.rl.batch_plan import plan_for
-from titan_rl.rl.engine_link import ColocatedEngine
 from titan_rl.rl.evaluation import RunEvaluation
-from titan_rl.rl.separate_engines import SeparateEngines
+from titan_rl.rl.links import link_for
+from titan_rl.rl.optimizer_step import OptimizerStep
 from titan_rl.rl.global_batch import rank_share
 from titan_rl.rl.ranks import Ranks
-from titan_rl.rl.seeds import completion_seeds, prompt_seed, sft_seed
+from titan_rl.rl.requests import step_requests
+from titan_rl.rl.rewards import step_rewards
+from titan_rl.rl.seeds import sft_seed
 from titan_rl.rollout import ScoredBatch, pad_sequences, response_mask
-from titan_rl.run_dir import MetricsFile, console_line, latest_checkpoint_step
-from titan_rl.tasks import check_reward, load_task
-from titan_rl.titan import leaf_reduction
+from titan_rl.run_dir import MetricsFile, console_line
+from titan_rl.tasks import load_task
 
 if TYPE_CHECKING:
     from titan_rl.config import Config
@@ -64,19 +65,13 @@ class RLTrainer(Trainer):
         self.evaluation = RunEvaluation(rl, self.task, self.ranks) if rl.eval.interval else None
         compute_dtype = DTYPES[self.config.training.mixed_precision_param]
         contract.check_ranks(contract.contract_of(self.model, dtype=compute_dtype, gradient_leaves=self.plan.reduction))
-        link = SeparateEngines if rl.rollout.placement == "separate" else ColocatedEngine
-        self.engine = link(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
-        # separate placement: rollouts started ahead (step -> Pending), and the weights of the
-        # last max_off_policy_steps versions (version -> parameters) to rescore them with
-        self._ahead: dict = {}
-        self._versions: dict[int, list[torch.Tensor]] = {}
+        self.engine = link_for(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
         self.metrics = MetricsFile(run_dir, self.ranks.rank)
         self._resumed_checked = False
         self.corrections = rl.correction
         self._warned_exact = False
-        self._base_lrs = [list(s.base_lrs) for s in self.lr_schedulers.schedulers]
-        self.is_moe = get_architecture(rl.model.name).moe
-        self.is_sparse = get_architecture(rl.model.name).sparse_attention
+        self.optimizer_step = OptimizerStep(rl, run_dir, self.model, self.optimizers, self.lr_schedulers, self.ranks)
+        self.choices = RunChoices(rl, get_architecture(rl.model.name))
         vocab = self.model.cfg.vocab_size
         if self.task.tokenizer.vocab_size > vocab:
             raise UserError(f"task {rl.task.name!r} needs {self.task.tokenizer.vocab_size} token ids; model "
@@ -98,7 +93,7 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         self._skipped = False
         self.model.train()
-        self._set_phase_lr()
+        self.optimizer_step.set_phase_lr(self.step)
         lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
         if self.evaluation and self.evaluation.due_before(self.step):  # the weights RL starts from
             self._log(self.evaluation.run(self.engine, self.step, weights_step=self.step - 1))
@@ -134,11 +129,11 @@ class RLTrainer(Trainer):
         for j, rows in enumerate(pieces):
             logp = log_softmax_fp32(self.model(batch[rows.start:rows.stop]))
             logp = logp[:, :-1].gather(-1, batch[rows.start:rows.stop, 1:, None])[..., 0]
-            loss = -fixed_sum(logp * mask[rows.start:rows.stop]) / tokens + self._aux_loss() / n_pieces
+            loss = -fixed_sum(logp * mask[rows.start:rows.stop]) / tokens + self.choices.aux_loss(self.model) / n_pieces
             self.plan.backward(loss, last=j == len(pieces) - 1)
             losses.append(loss.detach())
         loss = self.plan.step_sum(losses)
-        grad_norm = self._optimizer_step(loss)
+        grad_norm = self._step_optimizer(loss)
         return {"phase": "sft", "loss": loss, "grad_norm": grad_norm,
                 "train_tokens_per_s": batch.numel() / (time.perf_counter() - t0)}
 
@@ -146,20 +141,17 @@ class RLTrainer(Trainer):
         a, r = self.rl.algorithm, self.ranks
         examples, rollout, t_roll, version = self._rollout()
         lag = self.step - 1 - version  # the weights' age in optimizer steps (0 = on-policy)
-        rewards = torch.tensor(self._rewards(examples, rollout.tokens), dtype=torch.float32)
+        rewards = step_rewards(self.rl, self.task, r, self.step, examples, rollout.tokens)
         adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
         pad = self.task.tokenizer.pad_id
         b = ScoredBatch.of(rollout, self.plan.widen(rollout.batch(pad), pad))
         B = b.tokens.shape[0]
         pieces, n_pieces = self.plan.pieces(B * r.dp_degree, B * r.dp_rank)
-        metrics: dict = {} if b.routes is None else {"route_bytes_per_token": rollout.route_bytes_per_token}
-        if b.indices is not None:  # what the trainer is sent: the record under replay, nothing when pinned
-            replay = self.rl.rollout.index_selection == "replay"
-            metrics["index_bytes_per_token"] = rollout.index_bytes_per_token if replay else 0
+        metrics: dict = self.choices.bytes_metrics(rollout)
         times = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         if lag:  # engine vs trainer at the rollout's own (older) weights: the operator mismatch alone
             t0 = time.perf_counter()
-            with torch.no_grad(), self._weights_of(version):
+            with torch.no_grad(), self.engine.versions.at(version):
                 pi_behaviour = torch.cat([self._score(b, rows, None) for rows in pieces])
             times["forward"] += time.perf_counter() - t0
             self._at_rollout_weights(b, pi_behaviour, [], metrics)
@@ -180,17 +172,12 @@ class RLTrainer(Trainer):
                     float((update["logp"][b.mask] - b.mu[b.mask]).abs().max()) if bool(b.mask.any()) else 0.0, "max")
             if k > 0:  # after an update the ratio moves by policy lag, reported apart from mismatch
                 metrics["policy_lag_log_ratio_abs_max"] = r.reduce(update["lag"], "max")
-        if self.is_sparse:
-            self.model.set_index_override(None)
-        if self.is_moe:
-            self.model.set_route_override(None)
-            metrics["aux_loss"] = self.plan.piece_mean(update["auxes"])  # included in "loss"
-        if update["indexer_losses"]:  # trained indexers (model.freeze_indexer = false)
-            metrics["indexer_loss"] = self.plan.piece_mean(update["indexer_losses"])  # x coef in "loss"
+        self.choices.release(self.model)
+        # included in "loss", times their coefficients; the last update's
+        metrics.update({name: self.plan.piece_mean(values) for name, values in update["aux"].items()})
         t0 = time.perf_counter()
         same = self.engine.sync(self.step)
         times["weight_sync"], times["rollout"] = time.perf_counter() - t0, t_roll
-        self._keep_version(self.step)
         n_tok = int(b.mask.sum())
         stats = self.plan.batch_stats(rewards, n_tok, B, b.loss_mask, update["pieces"])
         metrics.update({
@@ -206,7 +193,6 @@ class RLTrainer(Trainer):
             **self.engine.metrics(),
             **self.engine.contract_metrics(),
             "rollout_tokens_per_s": n_tok / t_roll,
-            **({"kept_set_bytes_per_token": rollout.kept_bytes / max(n_tok, 1)} if rollout.kept is not None else {}),
             "train_tokens_per_s": b.tokens.numel() * a.updates_per_batch / sum(times[k] for k in
                                                                                  ("forward", "backward", "optimizer")),
             **{f"time_{k}_seconds": v for k, v in times.items()},
@@ -216,11 +202,11 @@ class RLTrainer(Trainer):
     def _update(self, b: ScoredBatch, adv, pieces: list[range], n_pieces: int, own: list | None, metrics: dict,
                 times: dict) -> dict:
         """One optimizer update over this rank's pieces. `own` (a list): measure the mismatch
-        at the rollout's weights from this update's forwards, collecting the router's own
-        routes into it."""
+        at the rollout's weights from this update's forwards, collecting the model's own
+        recorded choices into it (titan_rl.choices)."""
         a = self.rl.algorithm
         loss_cfg = PGLossConfig(clip_eps=a.clip_eps or None, agg=a.loss_agg)
-        logps, losses, auxes, indexer_losses, stats_of_pieces, lag = [], [], [], [], [], float("-inf")
+        logps, losses, aux, stats_of_pieces, lag = [], [], {}, [], float("-inf")
         for j, rows in enumerate(pieces):
             t0 = time.perf_counter()
             logp = self._score(b, rows, own)
@@ -232,48 +218,41 @@ class RLTrainer(Trainer):
             s = slice(rows.start, rows.stop)
             loss, stats = policy_gradient_loss(logp, b.ref[s], adv[s], b.loss_mask[s], loss_cfg,
                                                weights=None if b.weights is None else b.weights[s], count=count)
-            loss = loss + self._aux_loss() / n_pieces
+            loss = loss + self.choices.aux_loss(self.model) / n_pieces
             t2 = time.perf_counter()
             self.plan.backward(loss, last=j == len(pieces) - 1)
             times["forward"] += t1 - t0
             times["backward"] += time.perf_counter() - t2
             logps.append(logp.detach())
             losses.append(loss.detach())
-            if self.is_moe:
-                auxes.append(self.model.aux_loss.detach())
-            if self.is_sparse and self.model.indexer_loss is not None:
-                indexer_losses.append(self.model.indexer_loss.detach())
+            for name, value in self.choices.aux_losses(self.model).items():
+                aux.setdefault(name, []).append(value.detach())
             stats_of_pieces.append((stats["clip_fraction"], int(b.loss_mask[s].sum())))
             lag = max(lag, stats["log_ratio_abs_max"])
         if own is not None and len(pieces) > 1:
             self._at_rollout_weights(b, torch.cat(logps), own, metrics)
         t0 = time.perf_counter()
         step_loss = self.plan.step_sum(losses)
-        grad_norm = self._optimizer_step(step_loss)
+        grad_norm = self._step_optimizer(step_loss)
         times["optimizer"] += time.perf_counter() - t0
-        return {"loss": step_loss, "grad_norm": grad_norm, "auxes": auxes, "indexer_losses": indexer_losses,
-                "pieces": stats_of_pieces, "lag": lag, "logp": torch.cat(logps)}
+        return {"loss": step_loss, "grad_norm": grad_norm, "aux": aux, "pieces": stats_of_pieces, "lag": lag,
+                "logp": torch.cat(logps)}
 
     def _score(self, b: ScoredBatch, rows: range, own: list | None) -> torch.Tensor:
         """log pi [len(rows), L - 1] of the sampled tokens of `rows` under the policy the
         sampler drew from (its temperature, renormalised over the same top-k/top-p kept set:
         recomputed from our bitwise-equal logits, or replayed from the sampler's record), 0
-        off the mask. MoE: the engine's routes forced under router replay; sparse attention: the
-        engine's key sets forced under index replay; `own` collects the router's and the
-        indexers' own choices."""
+        off the mask. The engine's recorded choices the run replays are forced on the model
+        (titan_rl.choices); `own` collects the model's own."""
         from titan_rl.kernels.sampling import sampled_logprobs
 
-        if b.routes is not None and self.rl.rollout.router_replay == "replay":
-            self.model.set_route_override(b.flat_routes(rows))
-        if b.indices is not None and self.rl.rollout.index_selection == "replay":
-            self.model.set_index_override(b.flat_indices(rows))
+        replay(self.rl, self.model, b, rows)
         s, mask = self.rl.sampling, b.mask[rows.start:rows.stop]
         logits = self.model(b.tokens[rows.start:rows.stop])[:, :-1][mask]
         pi = sampled_logprobs(logits, b.tokens[rows.start:rows.stop, 1:][mask], s.temperature,
                               top_k=s.top_k or None, top_p=s.top_p if s.top_p < 1.0 else None, kept=b.kept_rows(rows))
-        if own is not None and (b.routes is not None or b.indices is not None):
-            own.append({"routes": torch.stack(self.model.last_own_routes, 1) if b.routes is not None else None,
-                        "indices": torch.stack(self.model.last_own_indices, 1) if b.indices is not None else None})
+        if own is not None:
+            own.append(self.choices.own(self.model))
         return torch.zeros(mask.shape, dtype=pi.dtype).masked_scatter(mask, pi)
 
     def _at_rollout_weights(self, b: ScoredBatch, pi_old: torch.Tensor, own: list, metrics: dict) -> None:
@@ -281,14 +260,7 @@ class RLTrainer(Trainer):
         corrections that need it: the PPO ratio is then taken against pi_old and the
         sampler gap pi_old/mu goes into truncated weights and masks."""
         metrics.update(self.plan.mismatch(pi_old[b.mask], b.mu[b.mask]))
-        if b.routes is not None:
-            valid = b.routes[:, :, 0, 0] >= 0
-            routes = torch.cat([o["routes"] for o in own]).view(*b.routes.shape[:2], *b.routes.shape[2:])
-            metrics["expert_disagreement"] = self.plan.expert_disagreement(b.routes[valid], routes[valid])
-        if b.indices is not None:  # each recorded (position, indexer layer) set vs the trainer indexer's own
-            valid = b.indices[:, :, 0, 0] >= 0
-            sets = torch.cat([o["indices"] for o in own]).view(*b.indices.shape)
-            metrics["index_disagreement"] = self.plan.index_disagreement(b.indices[valid], sets[valid])
+        metrics.update(self.choices.disagreements(self.plan, b, own))
         if enabled(self.corrections):
             b.weights, b.loss_mask, cstats = self.plan.correct(pi_old, b.mu, b.mask, self.corrections)
             b.ref = pi_old
@@ -302,144 +274,19 @@ class RLTrainer(Trainer):
     def _rollout(self) -> tuple[list, object, float, int]:
         """Sample this data-parallel rank's share of the step's global prompts: (the task
         example of each request, the rollout, seconds spent in generate, the training step
-        whose weights sampled it). Separate engines: the rollouts of the next
-        max_off_policy_steps steps are started before this one is trained on."""
-        s, a = self.rl.sampling, self.rl.algorithm
+        whose weights sampled it)."""
+        a = self.rl.algorithm
         examples, reqs, params = self._requests(self.step)
-        # MoE routes are always recorded: disagreement is measured even without replay
-        # sparse attention: the selected key sets too (disagreement is measured when pinned as well)
-        capture = {"kept_sets": s.mask_mode == "replay", "routes": self.is_moe, "indices": self.is_sparse}
-        if isinstance(self.engine, SeparateEngines):
-            pending = self._ahead.pop(self.step, None) or self.engine.start(self.step, reqs, params)
-            self._keep_version(self.step - 1)
-            for ahead in range(self.step + 1, min(self.step + self.rl.rollout.max_off_policy_steps,
-                                                  self.rl.training.steps) + 1):
-                if ahead not in self._ahead:
-                    self._ahead[ahead] = self.engine.start(ahead, *self._requests(ahead)[1:])
-            rollout, dt, version = self.engine.finish(pending, **capture)
-        else:
-            rollout, dt = self.engine.sample(reqs, params, **capture)
-            version = self.step - 1
+        rollout, dt, version = self.engine.rollout(self.step, reqs, params, self._requests, self.choices.capture)
         return [examples[j // a.group_size] for j in range(len(rollout))], rollout, dt, version
 
-    def _keep_version(self, version: int) -> None:
-        """Keep the current parameters as `version` while a rollout sampled with it may still
-        be trained on (separate engines sampling ahead); older versions are dropped."""
-        k = self.rl.rollout.max_off_policy_steps
-        if not k:
-            return
-        if version not in self._versions:
-            self._versions[version] = [p.detach().clone() for p in self.model.parameters()]
-        for v in [v for v in self._versions if v < version - k]:
-            del self._versions[v]
-
-    def _weights_of(self, version: int):
-        """A context in which the model holds the parameters of `version`."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def swapped():
-            params = list(self.model.parameters())
-            now = [p.detach().clone() for p in params]
-            with torch.no_grad():
-                for p, old in zip(params, self._versions[version]):
-                    p.copy_(old)
-            try:
-                yield
-            finally:
-                with torch.no_grad():
-                    for p, cur in zip(params, now):
-                        p.copy_(cur)
-
-        return swapped()
-
     def _requests(self, step: int) -> tuple[list, list, list]:
-        """This data-parallel rank's share of `step`'s prompts: (the task examples, the
-        requests, their sampling params, seeded from (seed, step, global index))."""
-        from vllm import SamplingParams
+        return step_requests(self.rl, self.task, self.ranks, step)
 
-        a, s, seed = self.rl.algorithm, self.rl.sampling, self.rl.training.seed
-        share = rank_share(a.prompts_per_step, self.ranks.dp_degree, self.ranks.dp_rank)
-        examples = self.task.sample(a.prompts_per_step, seed=prompt_seed(seed, step))[share.start:share.stop]
-        seeds = iter(completion_seeds(seed, step, share, a.group_size))
-        tok = self.task.tokenizer
-        stop = list(getattr(tok, "stop_ids", [tok.eos_id]))  # a chat model's end of turn as well as EOS
-        reqs, params = [], []
-        for ex in examples:
-            for _ in range(a.group_size):
-                reqs.append({"prompt_token_ids": list(ex.prompt_ids)})
-                params.append(SamplingParams(
-                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.task.max_new_tokens,
-                    stop_token_ids=stop, logprobs=0, seed=next(seeds)))
-        return examples, reqs, params
-
-    def _rewards(self, examples: list, tokens: list[list[int]]) -> list[float]:
-        """The task's rewards of each request's sampled tokens, each checked finite (a NaN
-        reward would make the advantages, the loss and then the weights NaN). All ranks
-        stop together."""
-        g, out, error = self.rl.algorithm.group_size, [], None
-        for j, (ex, toks) in enumerate(zip(examples, tokens)):
-            try:
-                out.append(check_reward(self.task.reward(ex, toks), self.rl.task.name, j // g, ex, j % g, toks,
-                                        self.task.tokenizer, self.step))
-            except UserError as e:
-                error = e
-                break
-        if self.ranks.any(error is not None):
-            raise error or UserError(f"step {self.step}: another rank's task returned a non-finite reward")
-        return out
-
-    def _aux_loss(self):
-        """The last forward's auxiliary losses: MoE, router_aux_loss_coef x the load-balancing
-        loss; sparse attention with trained indexers, model.indexer_loss_coef x the indexer loss
-        (its gradient reaches the indexers only); 0 otherwise."""
-        loss = 0.0
-        if self.is_moe and self.model.aux_loss is not None:
-            loss = self.model.cfg.router_aux_loss_coef * self.model.aux_loss
-        if self.is_sparse and self.model.indexer_loss is not None:
-            loss = loss + self.rl.model.indexer_loss_coef * self.model.indexer_loss
-        return loss
-
-    def _optimizer_step(self, loss: float) -> float:
-        """Clip by the global grad norm and step (the LR schedule advances once per training
-        step, in train_step, however many updates a batch gets). The norm is taken over
-        full gradients: under TP, parameters live on different meshes, which TorchTitan's
-        clip_grad_norm_ cannot stack; full_tensor() gives every rank the same norm."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        total = leaf_reduction.grad_norm(self.model.parameters())
-        # A NaN/inf here would reach every weight through the optimizer and be saved in
-        # the next checkpoint; the loss is per rank, so the decision is taken by all ranks.
-        if self.ranks.any(not (math.isfinite(loss) and bool(torch.isfinite(total)))):
-            self.optimizers.zero_grad()
-            what = f"non-finite loss {loss} / grad norm {float(total)} at step {self.step}"
-            if self.rl.algorithm.on_nonfinite == "stop":
-                last = latest_checkpoint_step(self.rl, self.run_dir) if self.rl.checkpoint.enable else 0
-                kept = f"the last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
-                raise RunStopped(f"{what}: stopped before the optimizer step, so no weight changed; {kept}. "
-                                 "Lower optimizer.lr, or set algorithm.on_nonfinite = 'skip' to skip such steps")
-            self._skipped = True
-            if self.ranks.rank == 0:
-                print(f"WARNING: {what}: step skipped (algorithm.on_nonfinite = 'skip')", flush=True)
-            return float(total)
-        coef = torch.clamp(self.rl.training.max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        self.optimizers.step()
-        self.optimizers.zero_grad()
-        return float(total)
-
-    def _set_phase_lr(self) -> None:
-        """LR for this step = configured base x phase scale x schedule(step), recomputed
-        from scratch every step: TorchTitan checkpoints only the schedule's step count
-        (not base_lrs), so nothing here may depend on state a resume would lose."""
-        scale = self.rl.algorithm.rl_lr_scale if self.step > self.rl.algorithm.sft_steps else 1.0
-        for sched, base0 in zip(self.lr_schedulers.schedulers, self._base_lrs):
-            sched.base_lrs = [b * scale for b in base0]
-            with warnings.catch_warnings():  # get_lr() outside step() warns; it is the pure schedule here
-                warnings.simplefilter("ignore", UserWarning)
-                lrs = sched.get_lr()
-            for group, lr in zip(sched.optimizer.param_groups, lrs):
-                group["lr"] = lr
+    def _step_optimizer(self, loss: float) -> float:
+        grad_norm, skipped = self.optimizer_step(loss, self.step)
+        self._skipped = self._skipped or skipped
+        return grad_norm
 
     def _log(self, m: dict) -> None:
         self.metrics.append(m)

@@ -12,27 +12,16 @@ The record per token is layers x topk x 2 bytes (int16): `bytes_per_token`.
 
 from __future__ import annotations
 
-import contextlib
-
 from titan_rl.vllm.dsa import TitanDsaForCausalLM
-from titan_rl.vllm.routes import _Capture
+from titan_rl.vllm.routes import capture_sink
 from titan_rl.vllm.sampling import model_runner
 
 
-@contextlib.contextmanager
 def capture_indices(llm):
     """with capture_indices(llm) as rec: outs = llm.generate(...); rec.assemble(outs) ->
     {request_id: positions [P + R - 1, indexer layers, topk]} (a RouteRecord of positions)."""
-    runner = model_runner(llm)
-    model = runner.model
+    model = model_runner(llm).model
     if not isinstance(model, TitanDsaForCausalLM):
         raise TypeError(f"capture_indices needs titan_rl's sparse-attention wrapper; the engine runs "
                         f"{type(model).__name__}")
-    if model.index_sink is not None:
-        raise RuntimeError("capture_indices is already active")
-    cap = _Capture(runner)
-    model.index_sink = cap
-    try:
-        yield cap.record
-    finally:
-        model.index_sink = None
+    return capture_sink(llm, "index_sink", "capture_indices")

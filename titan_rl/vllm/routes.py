@@ -120,27 +120,36 @@ def _stock_hooks(model, k: int, cap: "_Capture"):
 
 
 @contextlib.contextmanager
+def capture_sink(llm, sink: str, what: str):
+    """with capture_sink(llm, "route_sink", "capture_routes") as rec: our wrapper hands each
+    forward's per-layer choices to its attribute `sink` while active (one capture per sink)."""
+    runner = model_runner(llm)
+    model = runner.model
+    if getattr(model, sink) is not None:
+        raise RuntimeError(f"{what} is already active")
+    cap = _Capture(runner)
+    setattr(model, sink, cap)
+    try:
+        yield cap.record
+    finally:
+        setattr(model, sink, None)
+
+
+@contextlib.contextmanager
 def capture_routes(llm):
     """with capture_routes(llm) as rec: outs = llm.generate(...); rec.assemble(outs).
     Our wrapper reports its routes (route_sink); vLLM's built-in MoE models are observed
     through hooks on their router gates (_stock_hooks)."""
     runner = model_runner(llm)
-    model = runner.model
+    if isinstance(runner.model, TitanForCausalLM):
+        with capture_sink(llm, "route_sink", "capture_routes") as record:
+            yield record
+        return
     cap = _Capture(runner)
-    if isinstance(model, TitanForCausalLM):
-        if model.route_sink is not None:
-            raise RuntimeError("capture_routes is already active")
-        model.route_sink = cap
-        handles = []
-    else:
-        # the text model's config (a vision-language folder's sits under text_config)
-        hf = runner.model_config.hf_text_config
-        handles = _stock_hooks(model, int(hf.num_experts_per_tok), cap)
+    # the text model's config (a vision-language folder's sits under text_config)
+    handles = _stock_hooks(runner.model, int(runner.model_config.hf_text_config.num_experts_per_tok), cap)
     try:
         yield cap.record
     finally:
-        if handles:
-            for h in handles:
-                h.remove()
-        else:
-            model.route_sink = None
+        for h in handles:
+            h.remove()
