@@ -23,7 +23,7 @@ train-smollm2: smollm2
 	$(PY) -m titan_rl.train --config train_configs/rl_smollm2.toml --run-dir runs/rl_smollm2
 
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 parity: setup
 	$(PY) -m titan_rl.parity --config train_configs/debug.toml --kernels both --json outputs/parity_debug.json

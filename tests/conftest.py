@@ -78,16 +78,3 @@ def pytest_sessionfinish(session, exitstatus):
 
         with open(path, "w") as f:
             json.dump(dict(sorted(_USED.items(), key=lambda kv: -kv[1])), f, indent=1)
-
-
-# The suite runs on two workers, one test file each at a time (Makefile: pytest-xdist,
-# --dist loadfile --no-loadscope-reorder), handed out in collection order. The multi-process
-# files take minutes each; started last they would leave one worker running alone at the
-# end, so they are collected first (longest first, measured: the README's suite figures).
-LONG_FILES = ["test_train.py", "test_train_runs.py", "test_titan_parallel.py", "test_hybrids_parity.py",
-              "test_masked_cpu.py", "test_invariance_guard.py", "test_quant_cells.py", "test_hybrids_vllm.py"]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: in-file order kept
