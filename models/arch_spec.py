@@ -1,6 +1,7 @@
 """ArchitectureSpec: the one typed description of an architecture that both engines read.
 
-Each model folder's spec.py (models/<name>/spec.py) exports one; titan_rl.registry
+Each model folder's spec.py (models/<name>/spec.py) exports one, made by `architecture_spec`
+from what is the folder's own (its model and config classes, flavors, names); titan_rl.registry
 collects them. TorchTitan's side builds a ModelSpec from it (titan_rl/titan/spec.py),
 vLLM's side registers `vllm_class` under `vllm_architecture` (titan_rl/vllm/plugin.py).
 """
@@ -8,11 +9,12 @@ vLLM's side registers `vllm_class` under `vllm_architecture` (titan_rl/vllm/plug
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
+from titan_rl.models.options import ModelOptions
 from titan_rl.parallel.plan import TPPlan
 
 
@@ -24,6 +26,21 @@ def flavor_config(flavors: dict, flavor: str, arch: str):
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise ValueError(f"model.flavor = {flavor!r} is unknown for {arch}; allowed: {sorted(flavors)}{hint}")
     return flavors[flavor]
+
+
+def resolve_config(flavor, flavors: dict, arch: str, config_type: type, **overrides):
+    """A flavor name or a config object (+ field overrides) -> the config to build."""
+    if isinstance(flavor, str):
+        flavor = flavor_config(flavors, flavor, arch)
+    if not isinstance(flavor, config_type):
+        raise TypeError(f"{arch} needs a {config_type.__name__}, got {type(flavor).__name__}")
+    return replace(flavor, **overrides) if overrides else flavor
+
+
+def config_to_hf(cfg, architecture: str) -> dict:
+    """config.json of a model config for the `architectures` entry `architecture` (every
+    folder's config class writes its own: hf_config)."""
+    return cfg.hf_config(architecture)
 
 
 @dataclass
@@ -83,3 +100,18 @@ class ArchitectureSpec:
     def flavor(self, name: str):
         """The config of flavor `name` (refused by name when unknown)."""
         return flavor_config(self.flavors, name, self.name)
+
+
+def architecture_spec(name: str, model_class: type, config_class: type, flavors: dict, **particular) -> ArchitectureSpec:
+    """A model folder's ArchitectureSpec: what every folder's is alike derived from its model
+    class, config class and flavors (`build`, whose default flavor is the first one; config.json
+    both ways: config_class.from_hf and the config's hf_config); `particular`: the other
+    ArchitectureSpec fields, which are the architecture's own (names, TP plan, vLLM wrapper...)."""
+    default = next(iter(flavors))
+
+    def build(flavor=default, options: ModelOptions = ModelOptions(), **overrides) -> torch.nn.Module:
+        """The model of flavor `flavor` (a name or a config object; `overrides`: config fields)."""
+        return model_class(resolve_config(flavor, flavors, name, config_class, **overrides), options)
+
+    return ArchitectureSpec(name=name, model_class=model_class, build=build, flavors=flavors,
+                            config_from_hf=config_class.from_hf, config_to_hf=config_to_hf, **particular)

@@ -1,4 +1,4 @@
-"""The layers every architecture is built from: Linear, RMSNorm, HeadRMSNorm.
+"""The layers every architecture is built from: Linear, RMSNorm, HeadRMSNorm, sigmoid_gate.
 
 Each computes through `Ops` (models/ops.py), so a model written with them never looks at
 the kernel mode. `Linear` is also where a model meets the engine's weight handling: the
@@ -60,6 +60,12 @@ class HeadRMSNorm(RMSNorm):
 
     def forward(self, x):
         return self.ops.head_rms_norm(*self.operands(x, self.weight), self.eps).to(x.dtype)
+
+
+def sigmoid_gate(ops: Ops, gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid(gate) in the gate's dtype (computed in fp32, rounded once, as torch does): the
+    output gates of gated attention and of a shared expert."""
+    return ops.elementwise(torch.sigmoid, gate.float()).to(gate.dtype)
 
 
 class Linear(nn.Module):

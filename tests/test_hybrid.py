@@ -26,7 +26,8 @@ from titan_rl.dtypes import DTYPES
 import torch.nn.functional as F
 
 from titan_rl.kernels.gdn import causal_conv1d_reference, gdn_reference
-from titan_rl.models.qwen3_hybrid import FLAVORS, FreshState, Qwen3HybridConfig, build
+from titan_rl.models.common.gdn import FreshState
+from titan_rl.models.qwen3_hybrid import FLAVORS, Qwen3HybridConfig, build
 from titan_rl.models.options import ModelOptions
 
 

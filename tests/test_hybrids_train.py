@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from titan_rl.hf_reference import vl_model  # noqa: E402
-from titan_rl.models.qwen3_next.config import text_key  # noqa: E402
+from titan_rl.models.common.next import text_key  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

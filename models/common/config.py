@@ -1,11 +1,14 @@
-"""The dense decoder's config fields, shared by the architectures built on it (Qwen3, Llama):
-each folder's config subclasses `DenseConfig` with its own defaults and its config.json keys."""
+"""The dense decoder's config fields, shared by the architectures built on it (Qwen3, Llama
+and the MoE / hybrid models): each folder's config subclasses `DenseConfig` (or a common
+config built on it: models/common/moe.py, gdn.py, next.py) with its own defaults and its
+config.json keys."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 
-from titan_rl.models.arch_spec import flavor_config
+# config.json's special-token ids for the configs with no fields of their own for them (Llama's has)
+BOS_EOS = {"bos_token_id": 0, "eos_token_id": 1}
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -70,10 +73,22 @@ class DenseConfig:
         }
 
 
-def resolve_config(flavor, flavors: dict, arch: str, config_type: type = DenseConfig, **overrides):
-    """A flavor name or a config object (+ field overrides) -> the config to build."""
-    if isinstance(flavor, str):
-        flavor = flavor_config(flavors, flavor, arch)
-    if not isinstance(flavor, config_type):
-        raise TypeError(f"{arch} needs a {config_type.__name__}, got {type(flavor).__name__}")
-    return replace(flavor, **overrides) if overrides else flavor
+def dense_fields_from_hf(d: dict) -> dict:
+    """The dense fields of a Qwen-family config.json (transformers' Qwen3Config keys; rope_theta
+    from rope_parameters where it is there), checked; q/k norm on."""
+    rope_theta = d.get("rope_theta")
+    if rope_theta is None:
+        rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+    return asdict(DenseConfig(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+    ).validate())

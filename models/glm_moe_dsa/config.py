@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_rl.models.arch_spec import flavor_config
-
 # vLLM's CPU attention backend allocates [pages, Hkv, page, 2 * head_size] per layer and takes
 # these head sizes; one token's cache row (latent KV + indexer key) must fit 2 * head_size.
 CACHE_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -224,12 +222,3 @@ FLAVORS: dict[str, GlmDsaConfig] = {
     "debug_glm5": GlmDsaConfig(),
 }
 
-
-def resolve_config(flavor, **overrides) -> GlmDsaConfig:
-    from dataclasses import replace
-
-    if isinstance(flavor, str):
-        flavor = flavor_config(FLAVORS, flavor, "glm_moe_dsa")
-    if not isinstance(flavor, GlmDsaConfig):
-        raise TypeError(f"glm_moe_dsa needs a GlmDsaConfig, got {type(flavor).__name__}")
-    return replace(flavor, **overrides) if overrides else flavor

@@ -3,7 +3,7 @@ sparse attention (the lightning indexer picks each token's keys), a dense MLP in
 layers and a sigmoid-routed MoE with shared experts after them. docs/glm5.md says why each
 piece is computed as it is.
 
-Like qwen3 the model computes on ONE flat token stream. What mixes rows is the per-layer
+Like the dense decoder (models/common/transformer.py) the model computes on ONE flat token stream. What mixes rows is the per-layer
 cache of token rows: each token's row is [c_kv | k_rope | indexer key] (MLA's latent KV and
 the indexer's key), and the engine passes a `LatentCache` whose `store(layer, rows)` puts this
 forward's rows where the engine keeps them and returns a `KeyView` over everything a row may
@@ -39,11 +39,11 @@ from torch import nn
 from titan_rl.kernels.indexer.torch_impl import index_log_probs
 from titan_rl.kernels.moe import compact_routes, moe_experts, router_sigmoid_topk
 from titan_rl.kernels.sparse_attention.torch_impl import attention_target, selected_rows
+from titan_rl.models.common.transformer import MLP, Backbone, CausalLM
 from titan_rl.models.layers import Linear, RMSNorm
 from titan_rl.models.ops import Ops
 from titan_rl.models.options import ModelOptions
 from titan_rl.models.glm_moe_dsa.config import GlmDsaConfig
-from titan_rl.models.qwen3.model import MLP, Backbone, Qwen3ForCausalLM
 
 
 # -- what the engines pass: where this forward's cache rows go, and what a row may read -------
@@ -272,7 +272,7 @@ class SigmoidRouter(nn.Module):
 
 
 class DsaMoE(nn.Module):
-    """Routed experts (each qwen3's SwiGLU MLP) combined per token in slot order in fp32, plus
+    """Routed experts (each the dense decoder's SwiGLU MLP) combined per token in slot order in fp32, plus
     the shared experts (one MLP of moe_intermediate_size x n_shared_experts), added."""
 
     def __init__(self, cfg: GlmDsaConfig, ops: Ops):
@@ -298,7 +298,7 @@ class DsaMoE(nn.Module):
 
 
 def _mlp_config(cfg: GlmDsaConfig, width: int):
-    """The fields qwen3's MLP reads (hidden_size, intermediate_size)."""
+    """The fields the dense MLP reads (hidden_size, intermediate_size)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=width)
@@ -321,8 +321,8 @@ class DecoderLayer(nn.Module):
 
 # -- the model ------------------------------------------------------------------------------
 
-class GlmMoeDsaForCausalLM(Qwen3ForCausalLM):
-    """qwen3's embedding, final norm, LM head, init and logits over GLM-5's decoder layers."""
+class GlmMoeDsaForCausalLM(CausalLM):
+    """The dense causal LM's embedding, final norm, LM head, init and logits over GLM-5's decoder layers."""
 
     make_layer = DecoderLayer
     # the row-mixing op the execution contract names (titan_rl/contract.py)

@@ -5,25 +5,13 @@ sparse MLA backends are GPU-only; docs/glm5.md)."""
 
 from __future__ import annotations
 
-from titan_rl.models.arch_spec import ArchitectureSpec
-from titan_rl.models.glm_moe_dsa.config import FLAVORS, GlmDsaConfig, resolve_config
+from titan_rl.models.arch_spec import architecture_spec
+from titan_rl.models.glm_moe_dsa.config import FLAVORS, GlmDsaConfig
 from titan_rl.models.glm_moe_dsa.model import GlmMoeDsaForCausalLM
 from titan_rl.models.glm_moe_dsa.parallelize import NO_TP_REASON
-from titan_rl.models.options import ModelOptions
 
-
-def build(flavor: str | GlmDsaConfig = "debug_glm5", options: ModelOptions = ModelOptions(),
-          **overrides) -> GlmMoeDsaForCausalLM:
-    return GlmMoeDsaForCausalLM(resolve_config(flavor, **overrides), options)
-
-
-SPEC = ArchitectureSpec(
-    name="glm_moe_dsa",
-    model_class=GlmMoeDsaForCausalLM,
-    build=build,
-    flavors=FLAVORS,
-    config_from_hf=GlmDsaConfig.from_hf,
-    config_to_hf=lambda cfg, arch: cfg.hf_config(arch),
+SPEC = architecture_spec(
+    "glm_moe_dsa", GlmMoeDsaForCausalLM, GlmDsaConfig, FLAVORS,
     vllm_architecture="TitanGlmMoeDsaForCausalLM",
     hf_architecture="GlmMoeDsaForCausalLM",
     vllm_class="titan_rl.vllm.dsa:TitanDsaForCausalLM",
@@ -37,3 +25,4 @@ SPEC = ArchitectureSpec(
     stock_cpu_refusal=("vLLM's CPU build has no sparse-attention backend for GlmMoeDsaForCausalLM (its platform "
                        "raises \"Sparse Attention is not supported on CPU.\" while building the model)"),
 )
+build = SPEC.build

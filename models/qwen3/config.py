@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_rl.models.common.config import SUPPORTED_HEAD_DIMS, DenseConfig, resolve_config
+from titan_rl.models.common.config import BOS_EOS, DenseConfig, dense_fields_from_hf
 
-__all__ = ["FLAVORS", "SUPPORTED_HEAD_DIMS", "Qwen3Config", "resolve_config"]
+__all__ = ["FLAVORS", "Qwen3Config"]
 
 
 @dataclass(frozen=True)
@@ -16,26 +16,11 @@ class Qwen3Config(DenseConfig):
 
     def hf_config(self, architecture: str = "TitanQwen3ForCausalLM", dtype: str = "bfloat16") -> dict:
         """config.json content that transformers parses as a Qwen3Config."""
-        return {**self.hf_fields(architecture, "qwen3", dtype), "bos_token_id": 0, "eos_token_id": 1}
+        return {**self.hf_fields(architecture, "qwen3", dtype), **BOS_EOS}
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3Config":
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-        ).validate()
+        return cls(**dense_fields_from_hf(d)).validate()
 
 
 FLAVORS: dict[str, Qwen3Config] = {

@@ -3,9 +3,7 @@ RMSNorm of q and k before RoPE (`Qwen3Config.qk_norm`), untied or tied embedding
 
 from __future__ import annotations
 
-from titan_rl.models.common.transformer import MLP, Attention, Backbone, CausalLM, DecoderLayer
-
-__all__ = ["MLP", "Attention", "Backbone", "DecoderLayer", "Qwen3ForCausalLM"]
+from titan_rl.models.common.transformer import CausalLM
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -2,7 +2,7 @@
 `text_config` is read the same way), its flavor.
 
 Qwen3-Next's layout (layer_types, gated attention, partial rotary, zero-centred RMSNorm)
-with a dense MLP and the GDN projections unfused (models/qwen3_5/model.py). Its RoPE is
+with a dense MLP and the GDN projections unfused (models/common/gdn.py, Qwen35GatedDeltaNet). Its RoPE is
 transformers' multimodal one (`mrope_section`): for text every token's three position
 components are equal, which is plain RoPE on the rotary channels, what we compute.
 """
@@ -11,32 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_rl.models.qwen3.config import Qwen3Config
-from titan_rl.models.qwen3_hybrid.config import GdnConfig
-from titan_rl.models.qwen3_next.config import NextLayout, dense_fields_from_hf
+from titan_rl.models.common.config import BOS_EOS, DenseConfig, dense_fields_from_hf
+from titan_rl.models.common.gdn import GdnConfig
+from titan_rl.models.common.next import NextLayout, text_config
 
 TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
 
-def text_config(d: dict, model_types: tuple[str, ...]) -> dict:
-    """The text model's keys of a config.json: itself, or its `text_config` (a vision-language
-    folder's; tie_word_embeddings may sit at the top level)."""
-    if d.get("model_type") not in (*model_types, None):
-        raise ValueError(f"config.json model_type = {d.get('model_type')!r}, expected one of {list(model_types)}")
-    if "text_config" in d:
-        return {"tie_word_embeddings": d.get("tie_word_embeddings", False), **d["text_config"]}
-    return d
-
-
-def gdn_widths(cfg) -> dict[str, int]:
-    """The widths model.tp_leaves must divide in the unfused GDN projections."""
-    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    return {"in_proj_qkv (2*linear_num_key_heads*linear_key_head_dim + linear_num_value_heads*linear_value_head_dim)":
-            cfg.linear_conv_dim, "linear_num_value_heads": hv, "linear_num_value_heads*linear_value_head_dim": hv * dv}
-
-
 @dataclass(frozen=True)
-class Qwen35Config(Qwen3Config, GdnConfig, NextLayout):
+class Qwen35Config(DenseConfig, GdnConfig, NextLayout):
     def validate(self) -> "Qwen35Config":
         super().validate()
         self.validate_gdn()
@@ -44,12 +27,12 @@ class Qwen35Config(Qwen3Config, GdnConfig, NextLayout):
         return self
 
     def tp_widths(self) -> dict[str, int]:
-        return {**super().tp_widths(), **gdn_widths(self)}
+        return {**super().tp_widths(), **self.gdn_tp_widths(fused=False)}
 
     def hf_config(self, architecture: str = "TitanQwen3_5ForCausalLM", dtype: str = "bfloat16") -> dict:
-        d = super().hf_config(architecture, dtype)
+        d = {**self.hf_fields(architecture, "qwen3_5_text", dtype), **BOS_EOS}
         d.pop("rope_theta")
-        d.update(model_type="qwen3_5_text", **self.gdn_hf(), **self.layout_hf())
+        d.update(**self.gdn_hf(), **self.layout_hf())
         return d
 
     @classmethod

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_rl.models.qwen3_hybrid.config import GdnConfig
-from titan_rl.models.qwen3_moe.config import Qwen3MoeConfig
-from titan_rl.models.qwen3_5.config import gdn_widths, text_config
-from titan_rl.models.qwen3_next.config import NextLayout, moe_fields_from_hf
+from titan_rl.models.common.config import BOS_EOS
+from titan_rl.models.common.gdn import GdnConfig
+from titan_rl.models.common.moe import MoeConfig, moe_fields_from_hf
+from titan_rl.models.common.next import NextLayout, text_config
 
 TEXT_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
-class Qwen35MoeConfig(Qwen3MoeConfig, GdnConfig, NextLayout):
+class Qwen35MoeConfig(MoeConfig, GdnConfig, NextLayout):
     shared_expert_intermediate_size: int = 88
 
     def validate(self) -> "Qwen35MoeConfig":
@@ -28,13 +28,13 @@ class Qwen35MoeConfig(Qwen3MoeConfig, GdnConfig, NextLayout):
 
     def tp_widths(self) -> dict[str, int]:
         return {**super().tp_widths(), "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-                **gdn_widths(self)}
+                **self.gdn_tp_widths(fused=False)}
 
     def hf_config(self, architecture: str = "TitanQwen3_5MoeForCausalLM", dtype: str = "bfloat16") -> dict:
-        d = super().hf_config(architecture, dtype)
+        d = {**self.hf_fields(architecture, "qwen3_5_moe_text", dtype), **BOS_EOS, **self.moe_hf()}
         for key in ("rope_theta", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
             d.pop(key)
-        d.update(model_type="qwen3_5_moe_text", shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+        d.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                  **self.gdn_hf(), **self.layout_hf())
         return d
 

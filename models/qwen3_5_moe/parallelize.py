@@ -1,5 +1,6 @@
-"""Qwen3.5-MoE has no tensor-parallel plan yet, for Qwen3.5's reason (models/qwen3_5/parallelize.py)."""
+"""Qwen3.5-MoE has no tensor-parallel plan yet, for Qwen3.5's reason: the unfused GDN
+projections (models/common/parallelize.py, UNFUSED_GDN_NO_TP_REASON)."""
 
-from titan_rl.models.qwen3_5.parallelize import NO_TP_REASON
+from titan_rl.models.common.parallelize import UNFUSED_GDN_NO_TP_REASON as NO_TP_REASON
 
 __all__ = ["NO_TP_REASON"]

@@ -1,47 +1,19 @@
-"""Qwen3-MoE's architecture config (qwen3's plus the routed MLP), flavors, config.json."""
+"""Qwen3-MoE's architecture config (the dense decoder's plus the routed MLP), flavors, config.json."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_rl.models.qwen3.config import Qwen3Config
+from titan_rl.models.common.config import BOS_EOS, dense_fields_from_hf
+from titan_rl.models.common.moe import MoeConfig
 
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig(Qwen3Config):
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 128
-    norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.001
-
-    def validate(self) -> "Qwen3MoeConfig":
-        super().validate()
-        if self.num_experts < 1:
-            raise ValueError(f"model.num_experts = {self.num_experts} must be >= 1")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"model.num_experts_per_tok = {self.num_experts_per_tok} must be in 1..num_experts ({self.num_experts})"
-            )
-        return self
-
-    def tp_widths(self) -> dict[str, int]:
-        return {**super().tp_widths(), "moe_intermediate_size": self.moe_intermediate_size}
+class Qwen3MoeConfig(MoeConfig):
+    """The dense and routed-MLP fields (models/common/moe.py) with Qwen3-MoE's defaults."""
 
     def hf_config(self, architecture: str = "TitanQwen3MoeForCausalLM", dtype: str = "bfloat16") -> dict:
-        d = super().hf_config(architecture, dtype)
-        d.update(
-            model_type="qwen3_moe",
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            moe_intermediate_size=self.moe_intermediate_size,
-            norm_topk_prob=self.norm_topk_prob,
-            router_aux_loss_coef=self.router_aux_loss_coef,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-        )
-        return d
+        return {**self.hf_fields(architecture, "qwen3_moe", dtype), **BOS_EOS, **self.moe_hf()}
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3MoeConfig":
@@ -52,10 +24,9 @@ class Qwen3MoeConfig(Qwen3Config):
                 "config.json has dense layers (decoder_sparse_step != 1 or mlp_only_layers non-empty); "
                 "only all-sparse Qwen3-MoE is supported"
             )
-        dense = Qwen3Config.from_hf({**d, "intermediate_size": d.get("intermediate_size", d["moe_intermediate_size"])})
-        fields = {f: getattr(dense, f) for f in Qwen3Config.__dataclass_fields__}
+        dense = dense_fields_from_hf({**d, "intermediate_size": d.get("intermediate_size", d["moe_intermediate_size"])})
         return cls(
-            **fields,
+            **dense,
             # transformers >= 5 renames num_experts to num_local_experts in to_dict()
             num_experts=d["num_experts"] if "num_experts" in d else d["num_local_experts"],
             num_experts_per_tok=d["num_experts_per_tok"],

@@ -1,5 +1,6 @@
-"""Qwen3-Next's architecture config (transformers' Qwen3NextConfig keys), its flavor, and
-the pieces of it the Qwen3.5 configs share: `layer_types`, partial rotary, rope parameters.
+"""Qwen3-Next's architecture config (transformers' Qwen3NextConfig keys) and its flavor: the
+dense, routed-MLP, GDN and layout fields of models/common (config.py, moe.py, gdn.py, next.py)
+plus the shared expert's width.
 
 What transformers defines and we compute: gated attention (q_proj holds each head's query
 and output gate), partial rotary (`partial_rotary_factor` of head_dim), zero-centred
@@ -11,74 +12,16 @@ or mlp_only_layers: routes are recorded for every layer).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from titan_rl.models.qwen3.config import Qwen3Config
-from titan_rl.models.qwen3_hybrid.config import GdnConfig
-from titan_rl.models.qwen3_moe.config import Qwen3MoeConfig
-
-
-def text_key(name: str) -> str | None:
-    """The family's tensor name in a published folder -> ours, in both engines (the
-    architectures' checkpoint_key): a vision-language folder's (Qwen3.5) text model sits
-    under `model.language_model.`; None for the vision tower and the multi-token-prediction
-    head (Qwen3.5's and Qwen3-Next's `mtp.*`), which titan_rl does not train or serve; a
-    text folder's name as is."""
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    if name.startswith(("model.visual.", "mtp.")):
-        return None
-    return name
+from titan_rl.models.common.config import BOS_EOS
+from titan_rl.models.common.gdn import GdnConfig
+from titan_rl.models.common.moe import MoeConfig, moe_fields_from_hf
+from titan_rl.models.common.next import NextLayout
 
 
 @dataclass(frozen=True)
-class NextLayout:
-    """The fields the Qwen3-Next family adds to qwen3's: which layers are GDN, and how much
-    of a head RoPE rotates."""
-
-    layer_types: tuple[str, ...] = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
-    partial_rotary_factor: float = 0.25
-
-    def is_full_attention(self, layer_idx: int) -> bool:
-        return self.layer_types[layer_idx] == "full_attention"
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def validate_layout(self) -> None:
-        self.check_layer_types(self.layer_types, self.num_hidden_layers)
-        rd = self.rotary_dim
-        if not 0 < rd <= self.head_dim or rd % 2:
-            raise ValueError(f"partial_rotary_factor = {self.partial_rotary_factor}: head_dim ({self.head_dim}) x it "
-                             f"= {rd} rotary channels; need an even number in 2..head_dim")
-
-    def layout_hf(self) -> dict:
-        return {"layer_types": list(self.layer_types), "partial_rotary_factor": self.partial_rotary_factor,
-                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                    "partial_rotary_factor": self.partial_rotary_factor}}
-
-    @staticmethod
-    def layout_from_hf(d: dict, n_layers: int) -> dict:
-        """layer_types (or the full_attention_interval it is derived from) and the rotary
-        fields of a config.json, refusing what our kernels do not compute."""
-        rope = d.get("rope_parameters") or {}
-        kind = rope.get("rope_type", d.get("rope_type", "default"))
-        if kind != "default":
-            raise ValueError(f"config.json rope_parameters.rope_type = {kind!r} is not supported; allowed: ['default']")
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
-            if d.get(key, want) != want:
-                raise ValueError(f"config.json {key} = {d[key]!r} is not supported; allowed: {want!r}")
-        types = d.get("layer_types")
-        if types is None:
-            k = int(d.get("full_attention_interval", 4))
-            types = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n_layers)]
-        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-        return {"layer_types": tuple(types), "partial_rotary_factor": float(factor)}
-
-
-@dataclass(frozen=True)
-class Qwen3NextConfig(Qwen3MoeConfig, GdnConfig, NextLayout):
+class Qwen3NextConfig(MoeConfig, GdnConfig, NextLayout):
     shared_expert_intermediate_size: int = 88
 
     def validate(self) -> "Qwen3NextConfig":
@@ -91,20 +34,13 @@ class Qwen3NextConfig(Qwen3MoeConfig, GdnConfig, NextLayout):
         return self
 
     def tp_widths(self) -> dict[str, int]:
-        hv = self.linear_num_value_heads
-        return {
-            **super().tp_widths(),
-            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-            "in_proj_qkvz (2*linear_num_key_heads*linear_key_head_dim + "
-            "2*linear_num_value_heads*linear_value_head_dim)": self.linear_qkvz_dim,
-            "in_proj_ba (2*linear_num_value_heads)": 2 * hv,
-            "linear_num_value_heads*linear_value_head_dim": hv * self.linear_value_head_dim,
-        }
+        return {**super().tp_widths(), "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                **self.gdn_tp_widths()}
 
     def hf_config(self, architecture: str = "TitanQwen3NextForCausalLM", dtype: str = "bfloat16") -> dict:
-        d = Qwen3Config.hf_config(self, architecture, dtype)
+        d = {**self.hf_fields(architecture, "qwen3_next", dtype), **BOS_EOS}
         d.pop("rope_theta")
-        d.update(model_type="qwen3_next", **self.gdn_hf(), **self.layout_hf(),
+        d.update(**self.gdn_hf(), **self.layout_hf(),
                  num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                  moe_intermediate_size=self.moe_intermediate_size,
                  shared_expert_intermediate_size=self.shared_expert_intermediate_size,
@@ -119,23 +55,6 @@ class Qwen3NextConfig(Qwen3MoeConfig, GdnConfig, NextLayout):
         return cls(**moe_fields_from_hf(d), **cls.gdn_from_hf(d, "Qwen3-Next"),
                    **cls.layout_from_hf(d, int(d["num_hidden_layers"])),
                    shared_expert_intermediate_size=int(d["shared_expert_intermediate_size"])).validate()
-
-
-def moe_fields_from_hf(d: dict, norm_topk_prob: bool | None = None) -> dict:
-    """qwen3's and the routed MLP's fields of a config.json whose every layer is sparse."""
-    if int(d.get("decoder_sparse_step", 1)) != 1 or list(d.get("mlp_only_layers") or []):
-        raise ValueError("config.json has dense layers (decoder_sparse_step != 1 or mlp_only_layers non-empty); "
-                         "every layer must be sparse (routes are recorded for every layer)")
-    dense = Qwen3Config.from_hf({**d, "intermediate_size": d.get("intermediate_size", d["moe_intermediate_size"])})
-    return {**asdict(dense), "num_experts": int(d["num_experts"]), "num_experts_per_tok": int(d["num_experts_per_tok"]),
-            "moe_intermediate_size": int(d["moe_intermediate_size"]),
-            "norm_topk_prob": bool(d.get("norm_topk_prob", True)) if norm_topk_prob is None else norm_topk_prob,
-            "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001))}
-
-
-def dense_fields_from_hf(d: dict) -> dict:
-    """qwen3's fields of a config.json (rope_theta from rope_parameters where it is there)."""
-    return asdict(Qwen3Config.from_hf(d))
 
 
 FLAVORS: dict[str, Qwen3NextConfig] = {

@@ -1,18 +1,14 @@
-"""Qwen3-Next's tensor-parallel plan: qwen3's attention split (q_proj's rows hold each head's
-query and gate together, so a rank's rows are whole heads), the hybrid's GDN split by whole
-key heads, every expert and the shared expert split like qwen3's MLP; the router and the
-shared expert's one-output gate stay replicated."""
+"""Qwen3-Next's tensor-parallel plan: the dense decoder's attention split (q_proj's rows hold
+each head's query and gate together, so a rank's rows are whole heads), the GDN layers split
+by whole key heads, every expert and the shared expert split like the dense MLP; the router
+and the shared expert's one-output gate stay replicated (models/common/parallelize.py)."""
 
 from __future__ import annotations
 
-from titan_rl.models.qwen3.parallelize import ATTENTION, HEAD_COUNTS, shard_attention_heads
-from titan_rl.models.qwen3_hybrid.parallelize import GDN, shard_gdn_heads
-from titan_rl.models.qwen3_moe.parallelize import EXPERTS
+from titan_rl.models.common.parallelize import ATTENTION, EXPERTS, GDN, GDN_HEAD_COUNTS, GDN_HEADS
 from titan_rl.parallel.plan import TPPlan
 
 SHARED_EXPERT = {"mlp.shared_expert.gate_proj": "colwise", "mlp.shared_expert.up_proj": "colwise",
                  "mlp.shared_expert.down_proj": "rowwise"}
 
-TP_PLAN = TPPlan(layer={**ATTENTION, **GDN, **EXPERTS, **SHARED_EXPERT},
-                 heads={"self_attn": shard_attention_heads, "linear_attn": shard_gdn_heads},
-                 divides=(*HEAD_COUNTS, "linear_num_key_heads"))
+TP_PLAN = TPPlan(layer={**ATTENTION, **GDN, **EXPERTS, **SHARED_EXPERT}, heads=GDN_HEADS, divides=GDN_HEAD_COUNTS)

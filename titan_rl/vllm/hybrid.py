@@ -37,7 +37,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from titan_rl.models.qwen3_hybrid import FreshState
+from titan_rl.models.common.gdn import FreshState
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.model import TitanForCausalLM, _attention
 
@@ -74,7 +74,7 @@ class TitanGDNState(nn.Module, MambaBase):
 
 
 class VllmLinearState:
-    """The hybrid's LinearState (models/qwen3_hybrid/model.py) over vLLM's state cache, for one forward step."""
+    """The hybrids' LinearState (models/common/gdn.py) over vLLM's state cache, for one forward step."""
 
     def __init__(self, layers: dict[int, TitanGDNState], metadata: dict):
         self.layers = layers
