@@ -100,10 +100,15 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
 
 
 def test_the_walk_sees_every_part_of_the_package():
+    from titan_rl.registry import list_architectures
+
     modules = project_modules()
     for name in ("titan_rl.registry", "titan_rl.titan.parallelize", "titan_rl.vllm.engine",
-                 "titan_rl.models.qwen3", "titan_rl.kernels.moe.torch_impl"):
+                 "titan_rl.models.common", "titan_rl.kernels.moe.torch_impl"):
         assert name in modules
+    for arch in list_architectures():  # every registered architecture's folder and its files
+        for part in ("", ".config", ".model", ".spec"):
+            assert f"titan_rl.models.{arch}{part}" in modules, (arch, part)
 
 
 def test_the_cycle_finder_names_a_cycle():
@@ -179,27 +184,43 @@ def test_generic_code_imports_no_model():
     assert not bad, bad
 
 
-# Model folders still built from another folder's pieces (the house issue moves them onto
-# models/common one by one): this map may only shrink, and no other folder may join it.
-NOT_YET_ON_COMMON = {
-    "qwen3_moe": {"qwen3"}, "qwen3_hybrid": {"qwen3"}, "qwen3_next": {"qwen3", "qwen3_hybrid", "qwen3_moe"},
-    "qwen3_5": {"qwen3", "qwen3_hybrid", "qwen3_next"}, "qwen3_5_moe": {"qwen3", "qwen3_hybrid", "qwen3_moe",
-                                                                       "qwen3_next", "qwen3_5"},
-    "glm_moe_dsa": {"qwen3"},
-}
+def _folder(module: str) -> str | None:
+    """The model folder a module belongs to (titan_rl.models.<folder>.*), or None."""
+    parts = module.split(".")
+    return parts[2] if module.startswith("titan_rl.models.") and len(parts) >= 3 else None
+
+
+def folders_reached(graph: dict[str, dict[str, int]], names: list[str]) -> dict[str, dict[str, str]]:
+    """For each model folder in `names`: the other model folders its files import, each with
+    one importing module and line."""
+    out: dict[str, dict[str, str]] = {}
+    for m, edges in graph.items():
+        for n, line in edges.items():
+            a, b = _folder(m), _folder(n)
+            if a in names and b in names and a != b:
+                out.setdefault(a, {}).setdefault(b, f"{m} line {line}")
+    return out
 
 
 def test_model_folders_import_only_common_code():
     """models/<name>/ imports models/common, the shared layers and kernels, not another model's
-    folder (TorchTitan's habit: a model folder reads as that architecture's maths)."""
+    folder (TorchTitan's habit: a model folder reads as that architecture's maths). Every
+    registered architecture's folder is checked."""
     from titan_rl.registry import list_architectures
 
-    graph = import_graph()
-    names = list_architectures()
-    folder = lambda m: m.split(".")[2] if m.startswith("titan_rl.models.") and m.count(".") >= 2 else None  # noqa: E731
-    reached = {name: {folder(n) for m, edges in graph.items() if folder(m) == name for n in edges
-                      if folder(n) in names and folder(n) != name} for name in names}
-    assert {k: v for k, v in reached.items() if v} == NOT_YET_ON_COMMON
+    reached = folders_reached(import_graph(), list_architectures())
+    assert not reached, f"model folders importing another model folder: {reached}"
+
+
+def test_a_folder_importing_another_is_found(tmp_path):
+    """The check above sees a model folder's import of another folder, wherever it is."""
+    src = tmp_path / "model.py"
+    src.write_text("from titan_rl.models.common.transformer import CausalLM\n"
+                   "def f():\n    from titan_rl.models.b.model import X\n")
+    modules = {"titan_rl.models.a.model": str(src), "titan_rl.models.b.model": "",
+               "titan_rl.models.common.transformer": ""}
+    graph = {"titan_rl.models.a.model": dict(imports_of("titan_rl.models.a.model", str(src), modules))}
+    assert folders_reached(graph, ["a", "b"]) == {"a": {"b": "titan_rl.models.a.model line 3"}}
 
 
 def test_every_package_is_listed_for_installation():
