@@ -184,14 +184,20 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.r = self.hv // self.hk
         e = cfg.hidden_size
-        self.in_proj_qkvz = Linear(e, cfg.linear_qkvz_dim, ops, "col", "linear_attention")
-        # the gates (beta, decay) stay high precision: their error compounds along the recurrence
-        self.in_proj_ba = Linear(e, 2 * self.hv, ops, "col")
+        self.make_projections(cfg, ops)  # first: the parameters' order (state dict, init) is HF's
         self.conv1d = CausalConv1d(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, ops)
         self.out_proj = Linear(self.hv * self.dv, e, ops, "row", "linear_attention")
+
+    def make_projections(self, cfg: GdnConfig, ops: Ops) -> None:
+        """Qwen3-Next's grouped input projections: in_proj_qkvz / in_proj_ba hold each key
+        head's q, k, v, z / b, a together."""
+        e = cfg.hidden_size
+        self.in_proj_qkvz = Linear(e, cfg.linear_qkvz_dim, ops, "col", "linear_attention")
+        # the gates (beta, decay) stay high precision: their error compounds along the recurrence
+        self.in_proj_ba = Linear(e, 2 * self.hv, ops, "col")
 
     def head_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(conv weight, A_log, dt_bias, norm weight) for the heads this layer computes
@@ -245,23 +251,13 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
     heads in the conv's channel order, in_proj_z / in_proj_b / in_proj_a the gate, beta and
     decay inputs per value head (Qwen3.5, Qwen3.5-MoE). The rest is GatedDeltaNet's."""
 
-    def __init__(self, cfg: GdnConfig, layer_idx: int, ops: Ops):
-        torch.nn.Module.__init__(self)
-        self.layer_idx, self.ops = layer_idx, ops
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.r = self.hv // self.hk
+    def make_projections(self, cfg: GdnConfig, ops: Ops) -> None:
         e = cfg.hidden_size
         self.in_proj_qkv = Linear(e, cfg.linear_conv_dim, ops, "col", "linear_attention")
         self.in_proj_z = Linear(e, self.hv * self.dv, ops, "col", "linear_attention")
         # the gates (beta, decay) stay high precision: their error compounds along the recurrence
         self.in_proj_b = Linear(e, self.hv, ops, "col")
         self.in_proj_a = Linear(e, self.hv, ops, "col")
-        self.conv1d = CausalConv1d(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim)
-        self.dt_bias = torch.nn.Parameter(torch.ones(self.hv))
-        self.A_log = torch.nn.Parameter(torch.zeros(self.hv))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, ops)
-        self.out_proj = Linear(self.hv * self.dv, e, ops, "row", "linear_attention")
 
     def project(self, x):
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
