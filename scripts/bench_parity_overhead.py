@@ -68,7 +68,7 @@ def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
 def bench_rollout(folder, cfg, arch, args):
     from vllm import SamplingParams
 
-    from titan_rl.vllm.engine import make_llm
+    from titan_rl.vllm.engine import EngineSettings, make_llm
 
     g = torch.Generator().manual_seed(0)
     lengths = ([args.prompt_len] * args.prompts if args.prompt_len else
@@ -83,9 +83,9 @@ def bench_rollout(folder, cfg, arch, args):
     # As RL runs (titan_rl.rl.engine_link): processed log-probs, so the exact engine samples
     # through our top-k/top-p kernel; the stock engine through vLLM's own (its calls below
     # run inside vllm_own_top_k_top_p: the kernel is installed process-wide).
-    engines = {e: make_llm(folder, arch=arch, kernels=e, dtype=args.dtype, kv_cache_mib=kv_mib,
-                           max_num_seqs=args.prompts, max_model_len=max(1024, max_len),
-                           logprobs_mode="processed_logprobs")
+    engines = {e: make_llm(folder, EngineSettings(arch=arch, kernels=e, dtype=args.dtype, kv_cache_mib=kv_mib,
+                                                  max_num_seqs=args.prompts, max_model_len=max(1024, max_len),
+                                                  logprobs_mode="processed_logprobs"))
                for e in ("exact", "stock")}
     own = {"exact": contextlib.nullcontext,
            "stock": contextlib.nullcontext if args.shared_sampler else vllm_own_top_k_top_p}

@@ -79,7 +79,7 @@ class Setup:
         from titan_rl.checkpoint import save_hf_folder
         from titan_rl.models.options import ModelOptions, Quantization
         from titan_rl.registry import get_architecture
-        from titan_rl.vllm.engine import make_llm
+        from titan_rl.vllm.engine import EngineSettings, make_llm
 
         self.recipe, self.arch = recipe, arch
         spec = get_architecture(arch)
@@ -89,8 +89,8 @@ class Setup:
         # trainer: forward + backward over [B, L] tokens, the fake-quantized policy
         self.tokens = torch.randint(2, vocab, (args.train_batch, args.train_len), generator=g)
         save_hf_folder(self.model, folder, dtype=torch.bfloat16)
-        self.llm = make_llm(folder, arch=arch, dtype="bfloat16", kv_cache_mib=128, max_model_len=512,
-                            max_num_seqs=args.prompts, enable_prefix_caching=False)
+        self.llm = make_llm(folder, EngineSettings(arch=arch, dtype="bfloat16", kv_cache_mib=128, max_model_len=512,
+                                                   max_num_seqs=args.prompts, enable_prefix_caching=False))
         prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
         self.params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
         self.batch = [{"prompt_token_ids": p} for p in prompts]

@@ -387,7 +387,7 @@ def run_engine_tp(res: dict, out_dir: str) -> None:
     from titan_rl.checkpoint import save_hf_folder
     from titan_rl.kernels import log_softmax_fp32
     from titan_rl.models import qwen3, qwen3_hybrid, qwen3_next
-    from titan_rl.vllm.engine import engine_model, make_llm, update_weights
+    from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights
 
     world, rank = dist.get_world_size(), dist.get_rank()
     pd = parallel_dims(1, world)
@@ -411,9 +411,9 @@ def run_engine_tp(res: dict, out_dir: str) -> None:
             trainer = model_config(arch, "debug", ModelOptions(tp_leaves=4), model_config=cfg).build().to(dtype)
             parallelize_fn(trainer, parallel_dims=pd)
             load_full_state_dict(trainer, file_model.state_dict())
-            llm = make_llm(folder, arch=arch, dtype=dstr, kv_cache_mib=32, max_model_len=256, max_num_seqs=8,
-                           max_num_batched_tokens=48, enable_prefix_caching=False, seed=seed,
-                           tensor_parallel_size=world)
+            llm = make_llm(folder, EngineSettings(arch=arch, dtype=dstr, kv_cache_mib=32, max_model_len=256,
+                                                  max_num_seqs=8, max_num_batched_tokens=48,
+                                                  enable_prefix_caching=False, seed=seed, tensor_parallel_size=world))
             net = engine_model(llm)
             engines.append(llm)
             q_proj = next(m for name, m in net.named_modules() if name.endswith("self_attn.q_proj"))

@@ -5,6 +5,7 @@ contract is not patched), and after a sync it compares what the engine holds wit
 the trainer's forward uses, per tensor, naming a tensor that differs (dense and quantized).
 No TorchTitan here: the link is given a trainer-side model directly."""
 
+import dataclasses
 import gc
 import os
 import re
@@ -55,12 +56,14 @@ def _sample_wide(link):
 
 
 def _built_otherwise(monkeypatch, change):
-    """make_llm builds the real engine with one choice changed (`change(folder, kwargs)`)."""
+    """make_llm builds the real engine with one choice changed (`change(folder, kwargs)`,
+    kwargs: the EngineSettings' fields)."""
     real = engine_mod.make_llm
 
-    def make_llm(folder, **kwargs):
+    def make_llm(folder, settings):
+        kwargs = dataclasses.asdict(settings)
         change(folder, kwargs)
-        return real(folder, **kwargs)
+        return real(folder, engine_mod.EngineSettings(**kwargs))
 
     monkeypatch.setattr(engine_mod, "make_llm", make_llm)
 

@@ -26,7 +26,7 @@ from titan_rl.kernels import log_softmax_fp32  # noqa: E402
 from titan_rl.metrics import expert_disagreement, index_disagreement  # noqa: E402
 from titan_rl.rollout import Rollout, ScoredBatch  # noqa: E402
 from titan_rl.vllm.dsa import TitanDsaForCausalLM  # noqa: E402
-from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
+from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights  # noqa: E402
 from titan_rl.vllm.indices import capture_indices  # noqa: E402
 from titan_rl.vllm.routes import capture_routes  # noqa: E402
 
@@ -41,8 +41,9 @@ def setup(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"glm5_{dtype}")
     hf_model("glm_moe_dsa", draw_seed("weights seed") % 2**31, scale=0.2).save_pretrained(folder)
     trainer = load_hf_folder(folder, kernels="exact", dtype=DTYPES[dtype], arch="glm_moe_dsa").eval()
-    llm = make_llm(str(folder), arch="glm_moe_dsa", dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
-                   max_num_batched_tokens=64, enable_prefix_caching=True, block_size=32)
+    llm = make_llm(str(folder), EngineSettings(arch="glm_moe_dsa", dtype=dtype, kv_cache_mib=64, max_model_len=512,
+                                               max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True,
+                                               block_size=32))
     yield llm, trainer, folder, dtype
     del llm
 

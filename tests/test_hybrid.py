@@ -222,7 +222,7 @@ def test_config_accepts_the_hybrid():
 from _vllm_helpers import _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
+from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights  # noqa: E402
 from titan_rl.vllm.hybrid import TitanHybridForCausalLM  # noqa: E402
 
 
@@ -231,8 +231,9 @@ def setup(request, tmp_path_factory):
     dtype = request.param
     folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: build("debug_hybrid").init_weights(seed, 0.05),
                                         dtype, arch="qwen3_hybrid")
-    llm = make_llm(folder, arch="qwen3_hybrid", dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
-                   max_num_batched_tokens=64, enable_prefix_caching=True, block_size=32)
+    llm = make_llm(folder, EngineSettings(arch="qwen3_hybrid", dtype=dtype, kv_cache_mib=64, max_model_len=512,
+                                          max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True,
+                                          block_size=32))
     yield llm, trainer, dtype
     del llm
 
@@ -318,7 +319,7 @@ def test_after_weight_update_states_are_dropped(setup, rng):
 
 def test_stock_engine_is_refused_for_the_hybrid(tmp_path):
     with pytest.raises(ValueError, match=r"kernels = 'stock' is not available for 'qwen3_hybrid'"):
-        make_llm(str(tmp_path), arch="qwen3_hybrid", kernels="stock")
+        make_llm(str(tmp_path), EngineSettings(arch="qwen3_hybrid", kernels="stock"))
 
 
 # -- RL on the built-in task ----------------------------------------------------------------

@@ -14,7 +14,7 @@ from _vllm_helpers import _gen, _prompts, _trainer_logprobs, assert_alone_equals
 
 from titan_rl.dtypes import DTYPES  # noqa: E402
 from titan_rl.registry import get_architecture  # noqa: E402
-from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
+from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights  # noqa: E402
 from titan_rl.vllm.hybrid import TitanHybridForCausalLM  # noqa: E402
 
 CASES = [(arch, flavor, dtype) for arch, flavor in [("qwen3_next", "debug_qwen3_next"), ("qwen3_5", "debug_qwen35"),
@@ -35,8 +35,8 @@ def _model(arch, flavor, seed):
 def setup(request, tmp_path_factory):
     arch, flavor, dtype = request.param
     folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: _model(arch, flavor, seed), dtype, arch=arch)
-    llm = make_llm(folder, arch=arch, dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
-                   max_num_batched_tokens=64, enable_prefix_caching=True, block_size=32)
+    llm = make_llm(folder, EngineSettings(arch=arch, dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
+                                          max_num_batched_tokens=64, enable_prefix_caching=True, block_size=32))
     yield llm, trainer, arch, flavor, dtype
     del llm
 

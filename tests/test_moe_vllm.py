@@ -10,6 +10,8 @@ the recorded experts.
 """
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from _vllm_helpers import DTYPES, _gen, _prompts, _trainer_logprobs, random_chec
 from titan_rl.checkpoint import load_hf_folder  # noqa: E402
 from titan_rl.metrics import expert_disagreement  # noqa: E402
 from titan_rl.models import qwen3_moe  # noqa: E402
-from titan_rl.vllm.engine import make_llm  # noqa: E402
+from titan_rl.vllm.engine import EngineSettings, make_llm  # noqa: E402
 from titan_rl.vllm.routes import capture_routes  # noqa: E402
 
 
@@ -37,9 +39,9 @@ def _weights(seed: int) -> qwen3_moe.Qwen3MoeForCausalLM:
 def setup(request, tmp_path_factory):
     dtype = request.param
     folder, trainer = random_checkpoint(tmp_path_factory, _weights, dtype, arch="qwen3_moe")
-    common = dict(arch="qwen3_moe", dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
-                  enable_prefix_caching=True)
-    engines = {"chunked": make_llm(folder, max_num_batched_tokens=64, **common), "seeded": make_llm(folder, **common)}
+    common = EngineSettings(arch="qwen3_moe", dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
+                            enable_prefix_caching=True)
+    engines = {"chunked": make_llm(folder, replace(common, max_num_batched_tokens=64)), "seeded": make_llm(folder, common)}
     yield engines, trainer, folder, dtype
     del engines
 
@@ -155,8 +157,8 @@ def test_stock_engine_routes_are_observed(setup, rng):
     own gate, and match the trainer's on most positions (the same function, rounded
     differently)."""
     _, trainer, folder, dtype = setup
-    llm = make_llm(folder, arch="qwen3_moe", kernels="stock", dtype=dtype, kv_cache_mib=64, max_model_len=512,
-                   max_num_seqs=8)
+    llm = make_llm(folder, EngineSettings(arch="qwen3_moe", kernels="stock", dtype=dtype, kv_cache_mib=64,
+                                          max_model_len=512, max_num_seqs=8))
     res, _ = _routes(llm, _prompts(rng, [80, 30, 120]))
     own = torch.cat(_trainer_routes(trainer, [s for s, _, _ in res]))
     d = expert_disagreement(torch.cat([r for _, r, _ in res]), own)

@@ -21,7 +21,7 @@ from titan_rl.kernels.quant import QuantizedWeight  # noqa: E402
 from titan_rl.quant_weights import (  # noqa: E402
     engine_weights, fake_quantized_state, held_bytes, quantized_state, state_bytes, weight_recipes,
 )
-from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
+from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights  # noqa: E402
 
 from _vllm_helpers import _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
 
@@ -31,8 +31,8 @@ def setup(request, tmp_path_factory):
     recipe = request.param
     folder, trainer = random_checkpoint(
         tmp_path_factory, lambda seed: build("debug", ModelOptions(quantization=Quantization(recipe))).init_weights(seed, 0.05), "bfloat16")
-    llm = make_llm(folder, dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
-                   enable_prefix_caching=True, max_num_batched_tokens=64)
+    llm = make_llm(folder, EngineSettings(dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
+                                          enable_prefix_caching=True, max_num_batched_tokens=64))
     yield llm, trainer, recipe
     del llm
 
@@ -120,9 +120,9 @@ def test_trainer_gradient_is_straight_through(rng):
 
 
 def test_stock_engine_refuses_a_recipe_vllm_cannot_run_online(tmp_path):
-    with pytest.raises(ValueError, match=r"quantization = 'nvfp4' with kernels = 'stock': .*allowed: \['none', "
-                                         r"'fp8_rowwise'\]"):
-        make_llm(str(tmp_path), kernels="stock", quantization="nvfp4")
+    with pytest.raises(ValueError, match=r"quantization = 'nvfp4' with kernels = 'stock': .*allowed with stock "
+                                         r"kernels: \['none', 'fp8_rowwise'\]"):
+        make_llm(str(tmp_path), EngineSettings(kernels="stock", quantization="nvfp4"))
 
 
 @pytest.mark.parametrize("arch, flavor, recipe", [("qwen3_moe", "debug_moe", "mxfp8"),
@@ -141,8 +141,8 @@ def test_moe_and_hybrid_engines_hold_the_recipe_and_record_the_trainers_logprobs
     model = get_architecture(arch).build(flavor, options).init_weights(seed % 2**31, 0.05)
     save_hf_folder(model, tmp_path, dtype=torch.bfloat16, arch=arch)
     trainer = load_hf_folder(tmp_path, dtype=torch.bfloat16, arch=arch).eval()
-    llm = make_llm(str(tmp_path), arch=arch, dtype="bfloat16", kv_cache_mib=64, max_model_len=256, max_num_seqs=4,
-                   enable_prefix_caching=False)
+    llm = make_llm(str(tmp_path), EngineSettings(arch=arch, dtype="bfloat16", kv_cache_mib=64, max_model_len=256,
+                                                 max_num_seqs=4, enable_prefix_caching=False))
     try:
         held = [m for m in engine_model(llm).modules() if getattr(m, "qweight", None) is not None]
         assert held and {m.qweight.recipe for m in held} == {recipe}

@@ -7,6 +7,8 @@ platform choices) and see the trainer's check fail. The control case, an engine 
 trainer is, passes the same check and samples. No TorchTitan: the link is given a trainer-side
 model directly, as in tests/test_engine_link.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,9 +55,10 @@ def test_a_separate_engine_built_otherwise_is_refused_by_name(tmp_path, monkeypa
         pytest.skip("an AVX2-only CPU: the masked engine would be this machine's own kind")
     real = engine_mod.make_llm
 
-    def make_llm(folder, **kwargs):
+    def make_llm(folder, settings):
+        kwargs = dataclasses.asdict(settings)
         change(folder, kwargs, monkeypatch)
-        return real(folder, **kwargs)
+        return real(folder, engine_mod.EngineSettings(**kwargs))
 
     monkeypatch.setattr(engine_mod, "make_llm", make_llm)
     cfg = config.load(None, SMALL)

@@ -66,8 +66,8 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
      r"rollout.engine_tp = 2: 'qwen3_5' has no TP plan"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.tp_leaves=2",
       "--quantization.recipe=fp8_rowwise"],
-     r"rollout.engine_tp = 2 with quantization.recipe = 'fp8_rowwise': a sharded weight's scales would be taken over "
-     r"its shard; allowed: engine_tp = 1"),
+     r"quantization.recipe = 'fp8_rowwise' with rollout.engine_tp = 2: a sharded weight's scales would be taken over "
+     r"its shard .*; allowed: engine_tp = 1"),
     (["--rollout.placement=separate", "--model.kernels=stock"], r"placement = 'separate' with model.kernels = 'stock'"),
     (["--rollout.placement=separate", "--sampling.mask_mode=replay", "--sampling.top_p=0.9"],
      r"placement = 'separate' with sampling.mask_mode = 'replay'"),
@@ -86,7 +86,7 @@ def test_an_engine_tp_that_does_not_divide_the_heads_is_refused(tmp_path):
 
     m = get_architecture("qwen3").build("debug", num_attention_heads=3, num_key_value_heads=1).init_weights(0)
     save_hf_folder(m, tmp_path, dtype=torch.float32, architecture="qwen3")
-    with pytest.raises(config.ConfigError, match=r"rollout.engine_tp = 2 does not divide the model's "
-                                                 r"num_attention_heads = 3"):
+    with pytest.raises(config.ConfigError, match=r"rollout.engine_tp = 2 must divide the model's "
+                                                 r"num_attention_heads \(3\) and num_key_value_heads \(1\)"):
         config.load("train_configs/rl_debug.toml", ["--rollout.placement=separate", "--rollout.engine_tp=2",
                                                      "--model.tp_leaves=2", f"--model.checkpoint={tmp_path}"])

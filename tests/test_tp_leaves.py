@@ -143,12 +143,12 @@ def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed):
     from vllm import SamplingParams
 
     from titan_rl.checkpoint import save_hf_folder
-    from titan_rl.vllm.engine import engine_model, make_llm
+    from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm
 
     trainer = _model(L, seed, DTYPES[dtype])
     folder = str(tmp_path / "w")
     save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
-    llm = make_llm(folder, dtype=dtype, kv_cache_mib=64, max_model_len=256, max_num_seqs=8)
+    llm = make_llm(folder, EngineSettings(dtype=dtype, kv_cache_mib=64, max_model_len=256, max_num_seqs=8))
     try:
         assert engine_model(llm).options.tp_leaves == L  # built from config.json's titan_tp_leaves
         g = torch.Generator().manual_seed(seed)
@@ -180,14 +180,14 @@ def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed
 
     from titan_rl.checkpoint import save_hf_folder
     from titan_rl.models import qwen3_hybrid
-    from titan_rl.vllm.engine import engine_model, make_llm
+    from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm
 
     trainer = qwen3_hybrid.build(hybrid_config(), ModelOptions(tp_leaves=L)).init_weights(seed, 0.05)
     trainer = trainer.to(DTYPES[dtype]).eval()
     folder = str(tmp_path / "w")
     save_hf_folder(trainer, folder, dtype=DTYPES[dtype])
-    llm = make_llm(folder, arch="qwen3_hybrid", dtype=dtype, kv_cache_mib=64, max_model_len=256, max_num_seqs=8,
-                   max_num_batched_tokens=48, enable_prefix_caching=False)
+    llm = make_llm(folder, EngineSettings(arch="qwen3_hybrid", dtype=dtype, kv_cache_mib=64, max_model_len=256,
+                                          max_num_seqs=8, max_num_batched_tokens=48, enable_prefix_caching=False))
     try:
         assert engine_model(llm).options.tp_leaves == L
         g = torch.Generator().manual_seed(seed)
@@ -221,8 +221,8 @@ def test_engine_tp_needs_tp_leaves():
     from titan_rl.models.qwen3 import SPEC
 
     assert _shard_for_tp(_model(0, 0), SPEC, vllm_config(1)) == (0, 1, {})
-    with pytest.raises(ValueError, match=r"tensor_parallel_size = 2 needs the model's tp_leaves > 0 "
-                                         r"\(config.json \"titan_tp_leaves\""):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size = 2 needs the model's tp_leaves > 0 and a multiple "
+                                         r"of it \(config.json \"titan_tp_leaves\""):
         _shard_for_tp(_model(0, 0), SPEC, vllm_config(2))
 
 

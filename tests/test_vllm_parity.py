@@ -11,6 +11,8 @@ token is compared); chunked-prefill splits; prefix-cache hits; after a weight up
 """
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from titan_rl.models.qwen3 import build
 
 pytest.importorskip("vllm")
 
-from titan_rl.vllm.engine import engine_model, make_llm, update_weights  # noqa: E402
+from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights  # noqa: E402
 
 from _vllm_helpers import DTYPES, _gen, _prompts, _trainer_logprobs, random_checkpoint  # noqa: E402
 
@@ -27,8 +29,8 @@ from _vllm_helpers import DTYPES, _gen, _prompts, _trainer_logprobs, random_chec
 def setup(request, tmp_path_factory):
     dtype = request.param
     folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: build("debug").init_weights(seed, 0.05), dtype)
-    common = dict(dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True)
-    engines = {"chunked": make_llm(folder, max_num_batched_tokens=64, **common), "seeded": make_llm(folder, **common)}
+    common = EngineSettings(dtype=dtype, kv_cache_mib=64, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True)
+    engines = {"chunked": make_llm(folder, replace(common, max_num_batched_tokens=64)), "seeded": make_llm(folder, common)}
     yield engines, trainer, dtype
     del engines
 
@@ -101,8 +103,8 @@ def test_bf16_upcast_form_is_exact_too(tmp_path_factory, rng, monkeypatch):
     monkeypatch.setattr(head, "HEAD_FORM", "fp32")  # and their LM head: the fp32 GEMM on upcast operands
     folder, trainer = random_checkpoint(tmp_path_factory, lambda seed: build("debug").init_weights(seed, 0.05),
                                         "bfloat16")
-    llm = make_llm(folder, dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
-                   max_num_batched_tokens=64)
+    llm = make_llm(folder, EngineSettings(dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
+                                          max_num_batched_tokens=64))
     assert engine_model(llm).model.layers[0].mlp.packed_gate_up.dtype == torch.float32
     prompts = _prompts(rng, [150, 3, 70, 20])
     res = _gen(llm, prompts, max_tokens=12)

@@ -25,12 +25,13 @@ import tomli
 
 # [correction] is the algorithm's own config dataclass (one definition, validated there).
 from titan_rl.algorithms.corrections import CorrectionConfig
+from titan_rl import layout
 from titan_rl.errors import ConfigError
 from titan_rl.rl import batch_plan
 from titan_rl.kernels.mode import KernelMode
 from titan_rl.models.options import ModelOptions, Quantization
 from titan_rl.kernels.quant.recipes import (
-    QUANT_LAYERS, QUANT_RECIPES, STOCK_QUANTIZATION, ActivationScale, QuantLayer, QuantRecipe, check_activation_scale,
+    QUANT_LAYERS, QUANT_RECIPES, ActivationScale, QuantLayer, QuantRecipe, check_activation_scale, check_stock_recipe,
 )
 from titan_rl.titan.sections import (
     REFUSED_AC_MODES, REFUSED_KEYS, REFUSED_SECTIONS, SECTIONS, ActivationCheckpointConfig, CheckpointManager,
@@ -322,9 +323,8 @@ def validate(cfg: Config) -> None:
         cfg.model_options()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if tp > 1 and (leaves == 0 or leaves % tp):
-        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} needs model.tp_leaves a multiple of it "
-                          f"(got {leaves}; 8 covers TP 1/2/4/8) for the trainer to stay bitwise equal to the engine")
+    _layout(layout.check_tp_leaves, "parallelism.tensor_parallel_degree", tp, leaves,
+            why="for the trainer to stay bitwise equal to the engine")
     if cfg.rollout.router_replay == "replay" and not cfg.model.checkpoint:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
@@ -358,20 +358,14 @@ def _check_quantization(cfg: Config) -> None:
     if q.recipe == "none":
         return
     if cfg.model.kernels == "stock":
-        if q.recipe not in STOCK_QUANTIZATION:
-            raise ConfigError(f"quantization.recipe = {q.recipe!r} with model.kernels = 'stock': vLLM's stock engine "
-                              f"has no online form of it; allowed with stock kernels: "
-                              f"{['none', *STOCK_QUANTIZATION]} (vLLM's torchao FP8 weight-only quantization)")
+        _layout(check_stock_recipe, q.recipe)
         return
     try:
         check_activation_scale(q.activation_scale)
     except ValueError as e:
         raise ConfigError(f"quantization.{e}") from None
-    tp = cfg.parallelism.tensor_parallel_degree
-    if tp > 1:
-        raise ConfigError(f"quantization.recipe = {q.recipe!r} with parallelism.tensor_parallel_degree = {tp}: a "
-                          "sharded weight's scales would be taken over its shard; allowed: tensor_parallel_degree = 1 "
-                          "(FSDP is fine: the forward quantizes the gathered weight)")
+    _layout(layout.check_recipe, "parallelism.tensor_parallel_degree", cfg.parallelism.tensor_parallel_degree,
+            q.recipe, hint="FSDP is fine: the forward quantizes the gathered weight")
     problem = _quantization_problem(cfg, q.recipe)
     if problem:
         allowed = ["none", *(r for r in QUANT_RECIPES[1:] if not _quantization_problem(cfg, r))]
@@ -426,22 +420,20 @@ def _check_placement(cfg: Config, spec) -> None:
             raise ConfigError(f"rollout.placement = 'separate' with {what} is not supported: what it needs from the "
                               "engine's sampler is captured in-process only; use rollout.placement = 'colocated'")
     if r.engine_tp > 1:
-        if cfg.quantization.recipe != "none":
-            raise ConfigError(f"rollout.engine_tp = {r.engine_tp} with quantization.recipe = "
-                              f"{cfg.quantization.recipe!r}: a sharded weight's scales would be taken over its "
-                              "shard; allowed: engine_tp = 1")
-        if spec.tp_plan is None:
-            raise ConfigError(f"rollout.engine_tp = {r.engine_tp}: {cfg.model.name!r} has no TP plan "
-                              f"({spec.no_tp_reason})")
-        leaves = cfg.model.tp_leaves
-        if leaves == 0 or leaves % r.engine_tp:
-            raise ConfigError(f"rollout.engine_tp = {r.engine_tp} needs model.tp_leaves a multiple of it (got "
-                              f"{leaves}) for the engine to compute the trainer's bits")
-        arch_cfg = model_config(cfg)
-        for key in ("num_attention_heads", "num_key_value_heads"):
-            n = getattr(arch_cfg, key, None)
-            if n is not None and n % r.engine_tp:
-                raise ConfigError(f"rollout.engine_tp = {r.engine_tp} does not divide the model's {key} = {n}")
+        key = "rollout.engine_tp"
+        _layout(layout.check_recipe, key, r.engine_tp, cfg.quantization.recipe)
+        _layout(layout.check_plan, key, r.engine_tp, spec)
+        _layout(layout.check_tp_leaves, key, r.engine_tp, cfg.model.tp_leaves,
+                why="for the engine to compute the trainer's bits")
+        _layout(layout.check_widths, key, r.engine_tp, model_config(cfg), spec.tp_plan.divides)
+
+
+def _layout(check, *args, **kwargs) -> None:
+    """A rule of titan_rl.layout / kernels.quant.recipes, its ValueError as a ConfigError."""
+    try:
+        check(*args, **kwargs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_model_len(cfg: Config) -> None:

@@ -126,11 +126,12 @@ def _evaluate(args) -> dict:
 
     arch, task, kwargs, dtype, new, examples, max_model_len = _checked(args)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    from titan_rl.vllm.engine import make_llm
+    from titan_rl.vllm.engine import EngineSettings, make_llm
 
     t0 = time.perf_counter()
-    llm = make_llm(args.checkpoint, arch=arch, kernels="exact", dtype=dtype, kv_cache_mib=args.kv_cache_mib,
-                   max_model_len=max_model_len, max_num_seqs=min(len(examples), 64))
+    settings = EngineSettings(arch=arch, kernels="exact", dtype=dtype, kv_cache_mib=args.kv_cache_mib,
+                              max_model_len=max_model_len, max_num_seqs=min(len(examples), 64))
+    llm = make_llm(args.checkpoint, settings)
     reqs, params = greedy_requests(task, examples, new)
     outs = llm.generate(reqs, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]

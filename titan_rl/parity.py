@@ -38,7 +38,7 @@ from titan_rl.jsonout import write_json
 from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.mode import KERNEL_MODES, KernelMode
 from titan_rl.dtypes import DTYPES
-from titan_rl.kernels.quant.recipes import STOCK_QUANTIZATION
+from titan_rl.kernels.quant.recipes import check_stock_recipe
 from titan_rl.models.options import ModelOptions, Quantization
 from titan_rl.metrics import expert_disagreement, full_vocab_mismatch, index_disagreement, logprob_mismatch
 from titan_rl.registry import get_architecture
@@ -237,14 +237,10 @@ def run_transformers_pair(cfg, folder, prompts, seed: int, reason: str, progress
 def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=print,
                with_detail: bool = False) -> dict:
     from titan_rl.checkpoint import load_hf_folder
-    from titan_rl.vllm.engine import make_llm
+    from titan_rl.vllm.engine import EngineSettings, make_llm
 
-    r = cfg.rollout
     t0 = time.perf_counter()
-    llm = make_llm(folder, arch=cfg.model.name, kernels=kernels, dtype=cfg.model.dtype, seed=seed,
-                   kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
-                   max_num_batched_tokens=r.max_num_batched_tokens or None,
-                   enable_prefix_caching=r.enable_prefix_caching, quantization=cfg.quantization.recipe)
+    llm = make_llm(folder, EngineSettings.from_config(cfg, kernels=kernels, seed=seed))
     progress(f"[{kernels}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
     t0 = time.perf_counter()
     spec = get_architecture(cfg.model.name)
@@ -335,12 +331,13 @@ def main(argv=None) -> int:
                               [o for a in ap._actions for o in a.option_strings if o.startswith("--")])
         cfg = config_mod.load(args.config, list(args.overrides) + extra)
         config_mod.validate_parity(cfg)
-        stock_recipe = cfg.quantization.recipe
-        if (args.kernels or cfg.model.kernels) in ("stock", "both") and stock_recipe not in ("none", *STOCK_QUANTIZATION):
-            raise ConfigError(
-                f"quantization.recipe = {stock_recipe!r} with --kernels {args.kernels or cfg.model.kernels}: the stock "
-                f"engine has no online form of it; allowed with stock kernels: {['none', *STOCK_QUANTIZATION]}")
-        fallback = _stock_fallback(cfg) if (args.kernels or cfg.model.kernels) in ("stock", "both") else ""
+        chosen = args.kernels or cfg.model.kernels
+        if chosen in ("stock", "both"):
+            try:
+                check_stock_recipe(cfg.quantization.recipe, kernels_key=f"--kernels {chosen}")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        fallback = _stock_fallback(cfg) if chosen in ("stock", "both") else ""
         if args.num_prompts is not None and args.num_prompts < 1:
             raise UserError(f"--num-prompts = {args.num_prompts}: must be >= 1")
         if cfg.model.checkpoint:  # strictly, before vLLM's loader (its errors name no file)
@@ -352,7 +349,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     seed = cfg.parity.seed if args.seed is None else args.seed
     n = cfg.parity.num_prompts if args.num_prompts is None else args.num_prompts
-    chosen = args.kernels or cfg.model.kernels
     modes = list(KERNEL_MODES) if chosen == "both" else [chosen]
     with tempfile.TemporaryDirectory() as work:
         folder = build_weights(cfg, work)

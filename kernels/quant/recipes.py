@@ -54,3 +54,24 @@ def check_activation_scale(value: object) -> ActivationScale:
         allowed = list(typing.get_args(ActivationScale))
         raise ValueError(f"activation_scale = {value!r} is not allowed; allowed: {allowed}")
     return "row"
+
+
+# -- the recipes' refusals, for every caller (the config, parity's CLI, the engine) ----------
+
+def check_stock_recipe(recipe: str, *, recipe_key: str = "quantization.recipe",
+                       kernels_key: str = "model.kernels = 'stock'") -> None:
+    """With vLLM's stock engine only the recipes it runs online (STOCK_QUANTIZATION)."""
+    if recipe != "none" and recipe not in STOCK_QUANTIZATION:
+        raise ValueError(f"{recipe_key} = {recipe!r} with {kernels_key}: vLLM's stock engine has no online form of "
+                         f"it; allowed with stock kernels: {['none', *STOCK_QUANTIZATION]} (vLLM's torchao FP8 "
+                         "weight-only quantization)")
+
+
+def check_tp_recipe(key: str, tp: int, recipe: str, recipe_key: str = "quantization.recipe", hint: str = "") -> None:
+    """No recipe at a tensor-parallel degree `tp` > 1 (the key `key`): a quantized weight is
+    held whole, its scales per row / block of the full tensor."""
+    if tp > 1 and recipe != "none":
+        short = key.rsplit(".", 1)[-1]
+        raise ValueError(f"{recipe_key} = {recipe!r} with {key} = {tp}: a sharded weight's scales would be taken "
+                         f"over its shard (a quantized weight is held whole, its scales per row / block of the full "
+                         f"tensor); allowed: {short} = 1" + (f" ({hint})" if hint else ""))

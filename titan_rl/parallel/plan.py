@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_rl.layout import check_tp_leaves, check_widths
 from titan_rl.parallel.tp_linear import _AllReduceSum, column_parallel_linear, copy_to_tp, row_parallel_linear
 
 logger = logging.getLogger(__name__)
@@ -66,13 +67,11 @@ class TPPlan:
                 out["heads"].append(path)
         return out
 
-    def check_degree(self, cfg, tp: int, tp_leaves: int) -> None:
-        heads = {key: getattr(cfg, key) for key in self.divides if getattr(cfg, key, None) is not None}
-        if any(n % tp for n in heads.values()):
-            raise ValueError(f"tensor_parallel_degree = {tp} must divide " +
-                             " and ".join(f"{key} ({n})" for key, n in heads.items()))
-        if tp_leaves and tp_leaves % tp:
-            raise ValueError(f"tensor_parallel_degree = {tp} must divide tp_leaves = {tp_leaves}")
+    def check_degree(self, cfg, tp: int, tp_leaves: int, key: str = "tensor_parallel_degree") -> None:
+        """TP degree `tp` against the model config `cfg` (the plan's `divides`) and its leaf
+        count (0 allowed: close, not bitwise, to TP = 1): titan_rl.layout's rules."""
+        check_widths(key, tp, cfg, self.divides)
+        check_tp_leaves(key, tp, tp_leaves, leaves_key="tp_leaves", allow_zero=True)
 
 
 _MIXED: dict[tuple[type, type], type] = {}

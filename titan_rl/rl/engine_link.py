@@ -170,16 +170,13 @@ class ColocatedEngine(EngineLink):
 
     def _start(self) -> None:
         from titan_rl.checkpoint import save_hf_folder
-        from titan_rl.vllm.engine import make_llm
+        from titan_rl.vllm.engine import EngineSettings, make_llm
 
-        m, r, a = self.cfg.model, self.cfg.rollout, self.cfg.algorithm
+        m, a = self.cfg.model, self.cfg.algorithm
         folder = engine_folder(self.run_dir, self.ranks.rank)
         save_hf_folder(self.model, folder, dtype=DTYPES[m.dtype], arch=m.name, state_dict=self._state())
-        self.llm = make_llm(folder, arch=m.name, kernels=m.kernels, dtype=m.dtype, seed=self.cfg.training.seed,
-                            kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
-                            max_num_seqs=max(r.max_num_seqs, a.prompts_per_step // self.ranks.dp_degree * a.group_size),
-                            enable_prefix_caching=r.enable_prefix_caching, logprobs_mode="processed_logprobs",
-                            quantization=self.cfg.quantization.recipe)
+        per_rank = a.prompts_per_step // self.ranks.dp_degree * a.group_size
+        self.llm = make_llm(folder, EngineSettings.for_rollouts(self.cfg, per_rank))
         self._check_contract("before the first rollout")
 
     def submit(self, step, requests, params):

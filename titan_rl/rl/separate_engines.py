@@ -74,17 +74,14 @@ class SeparateEngines(EngineLink):
 
     # -- the engines (rank 0) --------------------------------------------------------------
     def _launch(self, index: int, folder: str) -> _Engine:
-        from titan_rl.vllm.engine import make_llm
+        from titan_rl.vllm.engine import EngineSettings, make_llm
         from titan_rl.vllm.weight_transfer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, LLMClient
 
-        m, r, a = self.cfg.model, self.cfg.rollout, self.cfg.algorithm
+        r, a = self.cfg.rollout, self.cfg.algorithm
         per_engine = -(-a.prompts_per_step * a.group_size // r.engines)
         before = _children()
-        llm = make_llm(folder, arch=m.name, kernels=m.kernels, dtype=m.dtype, seed=self.cfg.training.seed,
-                       kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
-                       max_num_seqs=max(r.max_num_seqs, per_engine), enable_prefix_caching=r.enable_prefix_caching,
-                       logprobs_mode="processed_logprobs", quantization=self.cfg.quantization.recipe,
-                       tensor_parallel_size=r.engine_tp, own_process=True)
+        llm = make_llm(folder, EngineSettings.for_rollouts(self.cfg, per_engine, tensor_parallel_size=r.engine_tp,
+                                                           own_process=True))
         sender = GlooTrainerWeightTransferEngine.trainer_init(
             GlooTrainerInitInfo(rank=0, port=_free_port(), engine_workers=r.engine_tp), client=LLMClient(llm))
         # its processes: the engine core this process started, and the workers it started

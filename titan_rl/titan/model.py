@@ -92,7 +92,7 @@ class TitanModel(BaseModel):
             tp = getattr(parallelism, "tensor_parallel_degree", 1) if parallelism else 1
             plan = get_architecture(self.arch).tp_plan
             if tp > 1 and plan is not None:
-                plan.check_degree(cfg, tp, self.options.tp_leaves)
+                plan.check_degree(cfg, tp, self.options.tp_leaves, key="parallelism.tensor_parallel_degree")
             compile_cfg = getattr(config, "compile", None)
             if compile_cfg is not None and getattr(compile_cfg, "enable", False):
                 raise ValueError(

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from titan_rl.layout import check_plan
 from titan_rl.models.arch_spec import ArchitectureSpec
 from titan_rl.parallel.plan import apply_plan
 from titan_rl.registry import architecture_of, get_architecture
@@ -34,10 +35,8 @@ def _architecture(model: nn.Module) -> ArchitectureSpec:
 
 def check_tp_supported(spec: ArchitectureSpec, tp: int) -> None:
     """TP > 1 needs a TP plan; an architecture without one says why (FSDP still works)."""
-    if tp > 1 and spec.tp_plan is None:
-        raise ValueError(
-            f"parallelism.tensor_parallel_degree = {tp} is not supported for architecture {spec.name!r} "
-            f"({spec.no_tp_reason}); use 1 (FSDP: parallelism.data_parallel_shard_degree)")
+    check_plan("parallelism.tensor_parallel_degree", tp, spec,
+               fallback=" (FSDP: parallelism.data_parallel_shard_degree)")
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> None:

@@ -8,20 +8,58 @@ explicitly; torch's thread count must be set before the engine is built.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from titan_rl.kernels.mode import KernelMode, check_kernels
-from titan_rl.kernels.quant.recipes import STOCK_QUANTIZATION
+from titan_rl.kernels.quant.recipes import STOCK_QUANTIZATION, check_stock_recipe
 from titan_rl.registry import get_architecture
 
 
-def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact", dtype: str = "bfloat16", seed: int = 0,
-             kv_cache_mib: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
-             max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-             block_size: int | None = None, logprobs_mode: str = "raw_logprobs", quantization: str = "none",
-             tensor_parallel_size: int = 1, own_process: bool = False):
+@dataclass(frozen=True)
+class EngineSettings:
+    """How `make_llm` builds an engine. A run's engines take theirs from its config
+    (`from_config`), so the RL trainer's engines (colocated and separate) and parity's are
+    built the same way; the evaluator, which reads no run config, fills in its own."""
+
+    arch: str = "qwen3"
+    kernels: KernelMode = "exact"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    kv_cache_mib: int = 256
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None  # None: vLLM's default (no forced chunking)
+    enable_prefix_caching: bool = True
+    block_size: int | None = None
+    logprobs_mode: str = "raw_logprobs"
+    quantization: str = "none"  # kernels = 'stock' only; the exact engine reads the folder's recipe
+    tensor_parallel_size: int = 1
+    own_process: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> "EngineSettings":
+        """A run config's engine ([model], [rollout], [quantization], training.seed), with
+        `overrides` (the caller's own: a parity run's kernel mode and seed, a rollout's
+        sequence count and log-prob mode)."""
+        m, r = cfg.model, cfg.rollout
+        return cls(**{**dict(arch=m.name, kernels=m.kernels, dtype=m.dtype, seed=cfg.training.seed,
+                             kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
+                             max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens or None,
+                             enable_prefix_caching=r.enable_prefix_caching, quantization=cfg.quantization.recipe),
+                         **overrides})
+
+    @classmethod
+    def for_rollouts(cls, cfg, sequences: int, **overrides) -> "EngineSettings":
+        """An RL trainer's rollout engine: room for `sequences` at once (at least
+        rollout.max_num_seqs) and the log-probs of the policy actually sampled."""
+        return cls.from_config(cfg, max_num_seqs=max(cfg.rollout.max_num_seqs, sequences),
+                               logprobs_mode="processed_logprobs", **overrides)
+
+
+def make_llm(folder: str, settings: EngineSettings = EngineSettings()):
     """kernels='exact': our wrapper (same model definition as the trainer; a quantization
     recipe comes with the folder's config.json, "titan_quantization");
     kernels='stock': vLLM's built-in implementation of the same architecture, and with a
@@ -38,6 +76,9 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     tensor_parallel_size > 1 its workers are processes of vLLM's "mp" executor), reached
     through vLLM's collective RPC (titan_rl.rl.engine_worker) and weight transfer
     (the "gloo" backend, titan_rl.vllm.weight_transfer); it dies with this process."""
+    s = settings
+    arch, kernels, dtype, quantization, logprobs_mode = s.arch, s.kernels, s.dtype, s.quantization, s.logprobs_mode
+    tensor_parallel_size, own_process = s.tensor_parallel_size, s.own_process
     check_kernels(kernels)
     from vllm import LLM
 
@@ -45,9 +86,8 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
     if kernels == "stock" and spec.hf_architecture == spec.vllm_architecture:
         raise ValueError(f"kernels = 'stock' is not available for {arch!r}: vLLM has no built-in implementation "
                          "of it (hf_architecture is our own wrapper); use kernels = 'exact'")
-    if kernels == "stock" and quantization != "none" and quantization not in STOCK_QUANTIZATION:
-        raise ValueError(f"quantization = {quantization!r} with kernels = 'stock': vLLM has no online form of it; "
-                         f"allowed: {['none', *STOCK_QUANTIZATION]}")
+    if kernels == "stock":
+        check_stock_recipe(quantization, recipe_key="quantization", kernels_key="kernels = 'stock'")
     if kernels == "stock" and (spec.recurrent_state or spec.moe or spec.stock_cpu_refusal):
         from titan_rl.checkpoint import check_hf_folder
         from titan_rl.vllm.stock_cpu import stock_cpu_problem
@@ -62,22 +102,22 @@ def make_llm(folder: str, *, arch: str = "qwen3", kernels: KernelMode = "exact",
         if logprobs_mode == "processed_logprobs":
             install()
     kwargs = dict(
-        model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed, enforce_eager=True,
-        kv_cache_memory_bytes=kv_cache_mib << 20, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
+        model=folder, skip_tokenizer_init=True, dtype=dtype, seed=s.seed, enforce_eager=True,
+        kv_cache_memory_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
+        enable_prefix_caching=s.enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
         use_tqdm_on_load=False,
         hf_overrides={"architectures": [spec.vllm_architecture], **spec.vllm_overrides},
     )
     if kernels == "stock":
         kwargs.update(_stock_architecture(spec, folder))
-    if max_num_batched_tokens is not None:
-        kwargs.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
-    if spec.recurrent_state and enable_prefix_caching:
+    if s.max_num_batched_tokens is not None:
+        kwargs.update(max_num_batched_tokens=s.max_num_batched_tokens, enable_chunked_prefill=True)
+    if spec.recurrent_state and s.enable_prefix_caching:
         # Recurrent (linear-attention) states are prefix-cached only in mamba cache mode
         # "align" (states checkpointed at block boundaries), which needs chunked prefill.
         kwargs.update(mamba_cache_mode="align", enable_chunked_prefill=True)
-    if block_size is not None:
-        kwargs.update(block_size=block_size)
+    if s.block_size is not None:
+        kwargs.update(block_size=s.block_size)
     if own_process:
         kwargs.update(worker_extension_cls="titan_rl.rl.engine_worker.TitanWorkerExtension",
                       weight_transfer_config={"backend": "gloo"})

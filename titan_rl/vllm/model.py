@@ -24,6 +24,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
+from titan_rl import layout
 from titan_rl.kernels import lm_head_logits
 from titan_rl.kernels.selfcheck import check_platform
 from titan_rl.models.layers import LM_HEAD_OPERAND, Linear, held_operands, lm_head_operand, prepare_for_engine
@@ -60,17 +61,12 @@ def _shard_for_tp(net: nn.Module, spec, vllm_config: VllmConfig) -> tuple[int, i
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp == 1:
         return 0, 1, {}
-    if not net.ops.tp_leaves:
-        raise ValueError(
-            f"tensor_parallel_size = {tp} needs the model's tp_leaves > 0 (config.json \"titan_tp_leaves\", "
-            f"a multiple of {tp}; model.tp_leaves in the config): with tp_leaves = 0 the engine's log-probs "
-            "would depend on the TP degree")
-    if net.ops.quant_recipe != "none":
-        raise ValueError(f"tensor_parallel_size = {tp} with quantization recipe {net.ops.quant_recipe!r}: a quantized "
-                         "weight is held whole (its scales are per row / block of the full tensor); use "
-                         "tensor_parallel_size = 1")
-    if spec.tp_plan is None:
-        raise ValueError(f"tensor_parallel_size = {tp}: architecture {spec.name!r} has no TP plan ({spec.no_tp_reason})")
+    key = "tensor_parallel_size"
+    layout.check_tp_leaves(key, tp, net.ops.tp_leaves, leaves_key="the model's tp_leaves",
+                           where="config.json \"titan_tp_leaves\", model.tp_leaves in the config",
+                           why="so that the engine's log-probs do not depend on the TP degree")
+    layout.check_recipe(key, tp, net.ops.quant_recipe, recipe_key="the model's quantization recipe")
+    layout.check_plan(key, tp, spec)
     from vllm.distributed import get_tp_group
 
     group = get_tp_group()
