@@ -82,3 +82,17 @@ def held_bytes(model: torch.nn.Module) -> int:
     params = {id(p): p for p in model.parameters()}
     held = sum(p.numel() * p.element_size() for p in params.values())
     return held + sum(m.qweight.nbytes for m in model.modules() if isinstance(m, Linear) and m.qweight is not None)
+
+
+def digest_differences(expected: Mapping[str, str], held: Mapping[str, str]) -> list[str]:
+    """The names whose digest differs between what an engine should hold (`expected`) and
+    what it holds (`held`), or that one side lacks, sorted."""
+    return sorted(n for n in expected.keys() | held.keys() if expected.get(n) != held.get(n))
+
+
+def weights_differ(when: str, engine: str, names: list[str], how: str) -> str:
+    """The message that stops a run whose engine holds other weights than the trainer's
+    forward uses after a sync (`names`: digest_differences, up to five shown)."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"weights {when}: {engine} holds other weights than the trainer's forward uses: {shown} (sha256 of "
+            f"what each side multiplies by{how}). The engine would sample from another policy, so the run stops")

@@ -194,10 +194,10 @@ class ColocatedEngine(EngineLink):
         return Rollout.from_vllm(outs, **records), dt, ticket.version
 
     def sync(self, step):
-        from titan_rl.quant_weights import quantized_state, trainer_digests, weight_recipes
+        from titan_rl.quant_weights import (
+            digest_differences, quantized_state, state_bytes, trainer_digests, weight_recipes, weights_differ,
+        )
         from titan_rl.vllm.engine import engine_model, update_weights
-
-        from titan_rl.quant_weights import state_bytes
 
         state = self._state()
         recipes = weight_recipes(self.model)
@@ -214,12 +214,9 @@ class ColocatedEngine(EngineLink):
         # digests are read from what it holds.
         mine = trainer_digests(self.model, state, recipes, sent)
         theirs = engine_model(self.llm).weight_digests()
-        differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
+        differ = digest_differences(mine, theirs)
         if self.ranks.any(bool(differ)):
-            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
-            raise RunStopped(f"weights {when}: the engine holds other weights than the trainer's forward uses: "
-                             f"{shown or 'on another rank'} (sha256 of what each side multiplies by). The engine "
-                             "would sample from another policy, so the run stops")
+            raise RunStopped(weights_differ(when, "the engine", differ or ["on another rank"], ""))
         return True
 
     def _check_contract(self, when: str) -> None:

@@ -26,10 +26,10 @@ class TitanWorkerExtension:
     def titan_verify_weights(self, expected_by_rank: list[dict[str, str]]) -> list[str]:
         """The names whose digest differs from what this TP rank should hold
         (`expected_by_rank[rank]`), or that one side lacks, sorted."""
+        from titan_rl.quant_weights import digest_differences
+
         m = self._titan_model()
-        expected = expected_by_rank[m._tp_rank]
-        theirs = m.weight_digests()
-        return sorted(n for n in expected.keys() | theirs.keys() if expected.get(n) != theirs.get(n))
+        return digest_differences(expected_by_rank[m._tp_rank], m.weight_digests())
 
     def titan_contract(self) -> dict:
         """This engine's execution contract (its entries) and where it runs."""

@@ -27,7 +27,6 @@ requests and seeds give the same tokens).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,15 +37,10 @@ import torch.distributed as dist
 
 from titan_rl import contract
 from titan_rl.errors import RunStopped
+from titan_rl.launch import free_port
 from titan_rl.rl.engine_link import EngineLink, Ticket, trainer_state
 from titan_rl.rollout import Rollout
 from titan_rl.run_dir import engine_folder
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -83,7 +77,7 @@ class SeparateEngines(EngineLink):
         llm = make_llm(folder, EngineSettings.for_rollouts(self.cfg, per_engine, tensor_parallel_size=r.engine_tp,
                                                            own_process=True))
         sender = GlooTrainerWeightTransferEngine.trainer_init(
-            GlooTrainerInitInfo(rank=0, port=_free_port(), engine_workers=r.engine_tp), client=LLMClient(llm))
+            GlooTrainerInitInfo(rank=0, port=free_port(), engine_workers=r.engine_tp), client=LLMClient(llm))
         # its processes: the engine core this process started, and the workers it started
         pids = sorted(_children() - before) + [d["pid"] for d in llm.collective_rpc("titan_contract")]
         return _Engine(index, llm, sender, pids, llm.collective_rpc("titan_tp_layout")[0])
@@ -283,6 +277,8 @@ class SeparateEngines(EngineLink):
     def _send(self, e: _Engine, sent: dict, expected: dict, step: int) -> _Engine:
         """The weights of `step` into engine e, verified there; a dead engine is restarted
         (rollout.restart_engines) or stops the run."""
+        from titan_rl.quant_weights import weights_differ
+
         when = f"the weight sync of step {step}"
         if self._dead(e):
             return self._restart(e, when)  # it holds the weights of this sync (self._last_sent)
@@ -291,10 +287,7 @@ class SeparateEngines(EngineLink):
         differ = e.llm.collective_rpc("titan_verify_weights", args=(expected,))
         bad = sorted({n for d in differ for n in d})
         if bad:
-            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise RunStopped(f"weights after {when}: engine {e.index} holds other weights than the trainer's forward "
-                             f"uses: {shown} (sha256 of what each side multiplies by, computed in each process). The "
-                             "engine would sample from another policy, so the run stops")
+            raise RunStopped(weights_differ(f"after {when}", f"engine {e.index}", bad, ", computed in each process"))
         return e
 
     def _restart(self, e: _Engine, during: str) -> _Engine:

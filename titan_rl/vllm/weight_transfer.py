@@ -35,6 +35,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from titan_rl.dtypes import dtype_name
+
 BACKEND = "gloo"
 BUCKET_BYTES = 64 << 20
 PART = "::"  # name::payload, name::scale0, ...: the pieces of a quantized weight
@@ -66,10 +68,6 @@ class Piece:
     shape: list[int]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -86,13 +84,13 @@ def pieces_of(state: dict) -> tuple[list[Piece], list[torch.Tensor], dict[str, l
     for name, value in state.items():
         if isinstance(value, QuantizedWeight):
             parts = value.tensors()
-            quantized[name] = [value.recipe, _dtype_name(value.dtype), len(value.scales)]
+            quantized[name] = [value.recipe, dtype_name(value.dtype), len(value.scales)]
             items = [(f"{name}{PART}{k}", t) for k, t in parts.items()]
         else:
             items = [(name, value)]
         for n, t in items:
             t = t.detach().contiguous()
-            meta.append(Piece(n, _dtype_name(t.dtype), list(t.shape)))
+            meta.append(Piece(n, dtype_name(t.dtype), list(t.shape)))
             tensors.append(t)
     return meta, tensors, quantized
 
