@@ -124,9 +124,19 @@ def install_logprobs() -> None:
     `log_softmax_fp32`, the function the trainer scores with: on CPU that is the very
     expression vLLM's own `compute_logprobs` evaluates, on CUDA the Triton kernel
     (kernels/dispatch.py). Process-wide and idempotent, like `install`."""
-    from vllm.v1.sample.sampler import Sampler
+    import vllm.v1.sample.sampler as sampler
 
-    Sampler.compute_logprobs = staticmethod(log_softmax_fp32)
+    sampler.Sampler.compute_logprobs = staticmethod(log_softmax_fp32)
+    if not torch.cuda.is_available():
+        # The sampled token's rank is an integer count, the same bits eager or compiled;
+        # vLLM's torch.compile of it costs every engine process ~3.5 s on CPU (dynamo plus
+        # inductor's ISA probe) on its first generate, more than any short run samples.
+        sampler.batched_count_greater_than = _count_at_least
+
+
+def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """vLLM's `batched_count_greater_than`, eager: per row, the entries >= its value."""
+    return (x >= values).sum(-1)
 
 
 def installed() -> bool:
