@@ -14,13 +14,7 @@ def _gen(llm, prompts, seeds=None, max_tokens=12):
     seeds = seeds or [None] * len(prompts)
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=s)
               for s in seeds]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    res = []
-    for o in outs:
-        c = o.outputs[0]
-        res.append((list(c.token_ids), torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                                                    dtype=torch.float64), o.num_cached_tokens))
-    return res
+    return _results(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
 
 
 @torch.no_grad()
@@ -39,9 +33,20 @@ def _trainer_logprobs(trainer, prompts, results):
     return out
 
 
+def _results(outs):
+    """(tokens, their log-probs as float64, cached prompt tokens) per request output."""
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append((list(c.token_ids), torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                                    dtype=torch.float64), o.num_cached_tokens))
+    return res
+
+
 def assert_alone_equals_batched(llm, prompts, max_tokens=12):
     """Greedy: the first prompt generated alone and inside the whole batch gives the same tokens
-    and the same log-prob bits."""
+    and the same log-prob bits. Returns the batch's results (as `_gen` gives them), so a caller
+    can compare that batch with the trainer instead of generating it again."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     alone, batch = (llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
                     for ps in (prompts[:1], prompts))
@@ -49,6 +54,7 @@ def assert_alone_equals_batched(llm, prompts, max_tokens=12):
     assert a.token_ids == b.token_ids
     assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == \
         [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)]
+    return _results(batch)
 
 
 def _prompts(rng, lens, vocab=1024):

@@ -266,11 +266,11 @@ def test_engine_is_the_hybrid_wrapper_with_align_state_cache(setup):
     assert names == {n for n, _ in trainer.named_parameters()}
 
 
-def test_alone_vs_batch_of_8_mixed_lengths(setup, rng):
+def test_alone_vs_batch_of_mixed_lengths(setup, rng):
     llm, trainer, _ = setup
-    prompts = _prompts(rng, [37, 3, 150, 64, 9, 100, 1, 77])  # 150/100/77 span several prefill chunks
-    alone = _greedy(llm, prompts[:1])[0]
-    batch = _greedy(llm, prompts)
+    prompts = _prompts(rng, [37, 1, 151, 9, 70])  # 151/70 span several 64-token prefill chunks; a 1-token prompt
+    alone = _greedy(llm, prompts[:1], max_tokens=6)[0]
+    batch = _greedy(llm, prompts, max_tokens=6)
     assert batch[0][0] == alone[0]
     assert torch.equal(batch[0][1], alone[1])
     _assert_trainer_equals_sampler(trainer, prompts, batch)
@@ -280,9 +280,9 @@ def test_chunked_prefill_and_every_decode_position(setup, rng):
     llm, trainer, _ = setup
     block = llm.llm_engine.vllm_config.cache_config.block_size
     # split at 64-token budgets, mixed with decodes; the last one decodes across a block
-    # boundary (align mode moves its running state to the next block's page there)
-    prompts = _prompts(rng, [200, 65, 130, 2, 63, block - 5])
-    res = _gen(llm, prompts, max_tokens=20)
+    # boundary at its 6th token (align mode moves its running state to the next block's page there)
+    prompts = _prompts(rng, [200, 65, 2, 63, block - 5])
+    res = _gen(llm, prompts, max_tokens=8)
     _assert_trainer_equals_sampler(trainer, prompts, res)
 
 
@@ -291,8 +291,8 @@ def test_prefix_cache_hits_restore_the_state(setup, rng):
     block = llm.llm_engine.vllm_config.cache_config.block_size
     shared = _prompts(rng, [block + 40])[0]
     prompts = [shared + _prompts(rng, [5])[0], shared + _prompts(rng, [40])[0]]
-    _gen(llm, prompts[:1])  # fills the cache (KV and the GDN state at the block boundary)
-    res = _gen(llm, prompts)
+    _gen(llm, prompts[:1], max_tokens=1)  # fills the cache (KV and the GDN state at the block boundary)
+    res = _gen(llm, prompts, max_tokens=4)
     assert res[0][2] >= block and res[1][2] >= block, f"expected prefix-cache hits, got {[r[2] for r in res]}"
     _assert_trainer_equals_sampler(trainer, prompts, res)
 
@@ -301,17 +301,17 @@ def test_after_weight_update_states_are_dropped(setup, rng):
     llm, trainer, dtype = setup
     block = llm.llm_engine.vllm_config.cache_config.block_size
     prompts = _prompts(rng, [block + 20, 90, 6])
-    before = _greedy(llm, prompts)
-    assert _greedy(llm, prompts[:1])[0][2] >= block  # cached under the old weights
+    before = _greedy(llm, prompts, max_tokens=6)
+    assert _greedy(llm, prompts[:1], max_tokens=1)[0][2] >= block  # cached under the old weights
     new = {k: v + 0.02 * torch.randn(v.shape, generator=rng).to(v.dtype) for k, v in trainer.state_dict().items()}
     model_after = build("debug_hybrid").to(DTYPES[dtype]).eval()
     model_after.load_state_dict(new)
     update_weights(llm, new)
-    after = _greedy(llm, prompts)
+    after = _greedy(llm, prompts, max_tokens=6)
     assert after[0][2] == 0, "prefix cache (KV and recurrent state) must be dropped after a weight update"
     assert any(not torch.equal(a[1], b[1]) for a, b in zip(before, after)), "weights did not change the engine"
     _assert_trainer_equals_sampler(model_after, prompts, after)
-    again = _gen(llm, prompts, max_tokens=8)  # now a hit, under the new weights
+    again = _gen(llm, prompts, max_tokens=4)  # now a hit, under the new weights
     assert again[0][2] >= block
     _assert_trainer_equals_sampler(model_after, prompts, again)
     update_weights(llm, trainer.state_dict())  # restore for other tests

@@ -57,21 +57,23 @@ def test_the_engine_is_our_hybrid_wrapper_with_the_models_names(setup):
 
 
 def test_alone_and_in_a_batch_of_mixed_lengths(setup, rng):
+    # 5 lengths: a 1-token prompt, short ones, and an odd one split over three 64-token
+    # prefill chunks; the batch's own greedy log-probs are then the trainer's (one forward)
     llm, trainer, *_ = setup
-    prompts = _prompts(rng, [37, 3, 150, 64, 9, 100, 1, 77], vocab=997)
-    assert_alone_equals_batched(llm, prompts)
-    _assert_equal(trainer, prompts, _gen(llm, prompts))
+    prompts = _prompts(rng, [37, 1, 151, 9, 70], vocab=997)
+    _assert_equal(trainer, prompts, assert_alone_equals_batched(llm, prompts, max_tokens=6))
 
 
 def test_chunked_prefill_decodes_and_prefix_cache_hits(setup, rng):
     llm, trainer, *_ = setup
     block = llm.llm_engine.vllm_config.cache_config.block_size
-    prompts = _prompts(rng, [200, 65, 130, 2, block - 5], vocab=997)  # 64-token budgets, a decode across a block
-    _assert_equal(trainer, prompts, _gen(llm, prompts, max_tokens=20))
+    # 64-token budgets (200: four chunks), a decode across a block (block - 5 + 8 tokens)
+    prompts = _prompts(rng, [200, 65, 2, block - 5], vocab=997)
+    _assert_equal(trainer, prompts, _gen(llm, prompts, max_tokens=8))
     shared = _prompts(rng, [block + 40], vocab=997)[0]
     hits = [shared + _prompts(rng, [5], vocab=997)[0], shared + _prompts(rng, [40], vocab=997)[0]]
-    _gen(llm, hits[:1])
-    res = _gen(llm, hits)
+    _gen(llm, hits[:1], max_tokens=1)  # fills the cache; the hits' point is their prefill
+    res = _gen(llm, hits, max_tokens=4)
     assert res[0][2] >= block and res[1][2] >= block, [r[2] for r in res]
     _assert_equal(trainer, hits, res)
 
@@ -84,7 +86,7 @@ def test_after_a_weight_sync(setup, rng):
     update_weights(llm, new)
     prompts = _prompts(rng, [70, 9, 33], vocab=997)
     try:
-        _assert_equal(after, prompts, _gen(llm, prompts))
+        _assert_equal(after, prompts, _gen(llm, prompts, max_tokens=6))
     finally:
         update_weights(llm, trainer.state_dict())
 
@@ -100,7 +102,7 @@ def test_moe_routes_are_recorded_and_replay_changes_nothing(setup, rng):
     prompts = _prompts(rng, [41, 6, 90], vocab=997)
     # unseeded: vLLM 0.32's CPU runner cannot rewind a request generator after a partial
     # prefill ("CPU Generator does not use offset"), and align mode cuts prompts at blocks
-    params = SamplingParams(max_tokens=10, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True)
     with capture_routes(llm) as rec:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     rollout = Rollout.from_vllm(outs, routes=rec)

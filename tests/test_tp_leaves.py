@@ -15,7 +15,7 @@ import torch
 
 from titan_rl.dtypes import DTYPES
 
-from titan_rl.kernels import linear, linear_k_leaves, linear_n_blocks, log_softmax_fp32
+from titan_rl.kernels import linear, linear_k_leaves, linear_n_blocks
 from titan_rl.models.layers import Linear
 from titan_rl.models.options import ModelOptions
 from titan_rl.models.qwen3 import FLAVORS, Qwen3Config, build
@@ -137,11 +137,26 @@ def test_validation_intermediate_and_heads():
 
 # -- the rollout engine builds the same model from config.json ------------------------------
 
+def _sampling():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, ignore_eos=True)
+
+
+def _assert_trainer_equals(trainer, prompts, outs):
+    """The engine's sampled log-probs are the trainer's, bit for bit: all sequences scored in one
+    right-padded trainer batch (another composition than the engine's)."""
+    from _vllm_helpers import _results, _trainer_logprobs
+
+    res = _results(outs)
+    for pi, (toks, mu, _) in zip(_trainer_logprobs(trainer, prompts, res), res):
+        assert len(toks) == 6
+        assert torch.equal(pi, mu), (pi - mu).abs().max()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed):
     pytest.importorskip("vllm")
-    from vllm import SamplingParams
-
     from titan_rl.checkpoint import save_hf_folder
     from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm
 
@@ -153,19 +168,10 @@ def test_vllm_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed):
         assert engine_model(llm).options.tp_leaves == L  # built from config.json's titan_tp_leaves
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(2, trainer.cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 2, 90, 57, 7)]
-        params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(), use_tqdm=False)
     finally:
         del llm
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        toks = list(c.token_ids)
-        assert len(toks) == 8
-        mu = torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float64)
-        with torch.no_grad():
-            logp = log_softmax_fp32(trainer(torch.tensor([p + toks])))[0]
-        pi = logp[len(p) - 1: len(p) - 1 + len(toks)].gather(-1, torch.tensor(toks)[:, None])[:, 0].double()
-        assert torch.equal(pi, mu), (pi - mu).abs().max()
+    _assert_trainer_equals(trainer, prompts, outs)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -176,7 +182,6 @@ def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed
     chunked prefill cutting the longer prompts."""
     pytest.importorskip("vllm")
     from _titan_parallel_worker import hybrid_config
-    from vllm import SamplingParams
 
     from titan_rl.checkpoint import save_hf_folder
     from titan_rl.models import qwen3_hybrid
@@ -192,19 +197,10 @@ def test_vllm_hybrid_logprobs_equal_trainer_with_tp_leaves(tmp_path, dtype, seed
         assert engine_model(llm).options.tp_leaves == L
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(2, trainer.cfg.vocab_size, (n,), generator=g).tolist() for n in (23, 2, 90, 57, 7)]
-        params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(), use_tqdm=False)
     finally:
         del llm
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        toks = list(c.token_ids)
-        assert len(toks) == 8
-        mu = torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float64)
-        with torch.no_grad():
-            logp = log_softmax_fp32(trainer(torch.tensor([p + toks])))[0]
-        pi = logp[len(p) - 1: len(p) - 1 + len(toks)].gather(-1, torch.tensor(toks)[:, None])[:, 0].double()
-        assert torch.equal(pi, mu), (pi - mu).abs().max()
+    _assert_trainer_equals(trainer, prompts, outs)
 
 
 def test_engine_tp_needs_tp_leaves():
