@@ -78,3 +78,16 @@ def pytest_sessionfinish(session, exitstatus):
 
         with open(path, "w") as f:
             json.dump(dict(sorted(_USED.items(), key=lambda kv: -kv[1])), f, indent=1)
+
+
+# `--dist loadfile` hands files to the two workers in collection order, so the files that take
+# longest (several minutes each, measured with --durations) go first; otherwise they start last
+# and one worker runs alone for the final ten minutes. The order inside each file is kept.
+_SLOWEST_FIRST = ("test_train.py", "test_train_torchrun.py", "test_hybrids_vllm.py", "test_validation.py",
+                  "test_titan_parallel.py", "test_engine_link.py", "test_hybrid.py", "test_tp_leaves.py",
+                  "test_hybrids_parity.py", "test_separate_checks.py", "test_quant_cells.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
