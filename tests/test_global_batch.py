@@ -133,6 +133,29 @@ def test_rollout_digests_are_per_request_and_see_every_bit():
     assert (whole.digests(r2) != d).any(dim=1).tolist() == [i == 6 for i in range(7)]
 
 
+def test_engine_pieces_joined_and_cut_into_shares_keep_every_request_and_record():
+    """Separate engines: each engine's piece is a Rollout with its records; `join` then `rows`
+    (one rank's share) must give each request its own kept rows, routes and bytes whatever the cut."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    whole = _rollout(7, g)
+    n_tok = whole.num_tokens
+    whole.kept = torch.rand(n_tok, 11, generator=g) < 0.5
+    whole.kept_bytes_each = torch.randint(1, 50, (7,), generator=g).tolist()
+    whole.routes = [torch.randint(0, 5, (len(p) + len(t) - 1, 3, 2), generator=g, dtype=torch.uint8)
+                    for p, t in zip(whole.prompts, whole.tokens)]
+    whole.route_bytes_per_token = 6
+    for cut in ([0, 3, 7], [0, 0, 5, 7], [0, 1, 2, 6, 7]):
+        pieces = [whole.rows(a, b) for a, b in zip(cut, cut[1:])]
+        again = Rollout.join(pieces)
+        assert again.tokens == whole.tokens and again.prompts == whole.prompts
+        assert torch.equal(again.kept, whole.kept) and again.kept_bytes == whole.kept_bytes
+        assert all(torch.equal(x, y) for x, y in zip(again.routes, whole.routes)) and len(again.routes) == 7
+        for piece, a, b in zip(pieces, cut, cut[1:]):
+            at = sum(map(len, whole.tokens[:a]))
+            assert torch.equal(piece.kept, whole.kept[at:at + piece.num_tokens])
+            assert piece.kept_bytes == sum(whole.kept_bytes_each[a:b]) and piece.route_bytes_per_token == 6
+
+
 def test_the_command_line_refuses_it_at_start_in_one_line(tmp_path):
     """`python -m titan_rl.train` checks the share before anything starts (WORLD_SIZE as
     torchrun sets it): one line, exit code 2."""

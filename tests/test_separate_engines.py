@@ -69,10 +69,6 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
      r"quantization.recipe = 'fp8_rowwise' with rollout.engine_tp = 2: a sharded weight's scales would be taken over "
      r"its shard .*; allowed: engine_tp = 1"),
     (["--rollout.placement=separate", "--model.kernels=stock"], r"placement = 'separate' with model.kernels = 'stock'"),
-    (["--rollout.placement=separate", "--sampling.mask_mode=replay", "--sampling.top_p=0.9"],
-     r"placement = 'separate' with sampling.mask_mode = 'replay'"),
-    (["--rollout.placement=separate", "--model.name=qwen3_moe", "--model.flavor=debug_moe"],
-     r"placement = 'separate' with a mixture-of-experts model"),
     (["--rollout.placement=elsewhere"], r"rollout.placement"),
 ])
 def test_separate_placement_keys_are_checked_at_start(overrides, message):
@@ -90,3 +86,17 @@ def test_an_engine_tp_that_does_not_divide_the_heads_is_refused(tmp_path):
                                                  r"num_attention_heads \(3\) and num_key_value_heads \(1\)"):
         config.load("train_configs/rl_debug.toml", ["--rollout.placement=separate", "--rollout.engine_tp=2",
                                                      "--model.tp_leaves=2", f"--model.checkpoint={tmp_path}"])
+
+
+@pytest.mark.parametrize("toml, overrides, message", [
+    ("rl_debug_glm5.toml", ["--parallelism.tensor_parallel_degree=2", "--model.tp_leaves=2"],
+     r"^parallelism.tensor_parallel_degree = 2: 'glm_moe_dsa' has no TP plan \(.*\); allowed: 1$"),
+    ("rl_debug_qwen35.toml", ["--model.tp_leaves=8"], r"^model.tp_leaves = 8 must divide linear_num_value_heads = 6$"),
+    ("rl_debug_moe.toml", ["--model.name=qwen3_5_moe", "--model.flavor=debug_qwen35_moe", "--model.tp_leaves=8"],
+     r"^model.tp_leaves = 8 must divide linear_num_value_heads = 6$"),
+])
+def test_the_trainers_layout_rules_are_checked_at_start(toml, overrides, message):
+    """Before torchrun's ranks build anything: the model's TP plan and the widths tp_leaves
+    must divide are config errors in one line, not a rank's traceback from the model build."""
+    with pytest.raises(config.ConfigError, match=message):
+        config.load(f"train_configs/{toml}", overrides)

@@ -319,12 +319,18 @@ def validate(cfg: Config) -> None:
     tp, leaves = cfg.parallelism.tensor_parallel_degree, cfg.model.tp_leaves
     if tp < 1:
         raise ConfigError(f"parallelism.tensor_parallel_degree = {tp}: must be >= 1")
+    arch_cfg = model_config(cfg)
     try:
-        cfg.model_options()
+        options = cfg.model_options()
+        if arch_cfg is not None:  # else the model build names the folder's problem
+            options.check_widths(arch_cfg.tp_widths())
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _layout(layout.check_tp_leaves, "parallelism.tensor_parallel_degree", tp, leaves,
-            why="for the trainer to stay bitwise equal to the engine")
+    key = "parallelism.tensor_parallel_degree"
+    _layout(layout.check_plan, key, tp, spec)
+    _layout(layout.check_tp_leaves, key, tp, leaves, why="for the trainer to stay bitwise equal to the engine")
+    if tp > 1 and arch_cfg is not None:
+        _layout(layout.check_widths, key, tp, arch_cfg, spec.tp_plan.divides)
     if cfg.rollout.router_replay == "replay" and not cfg.model.checkpoint:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
@@ -410,15 +416,10 @@ def _check_placement(cfg: Config, spec) -> None:
                           "rescore at)")
     if r.engine_tp not in (1, 2):
         raise ConfigError(f"rollout.engine_tp = {r.engine_tp}: allowed 1 or 2")
-    refused = {
-        "model.kernels = 'stock'": cfg.model.kernels == "stock",
-        "sampling.mask_mode = 'replay'": cfg.sampling.mask_mode == "replay",
-        f"a mixture-of-experts model ({cfg.model.name!r}: its routes are recorded in the engine)": spec.moe,
-    }
-    for what, hit in refused.items():
-        if hit:
-            raise ConfigError(f"rollout.placement = 'separate' with {what} is not supported: what it needs from the "
-                              "engine's sampler is captured in-process only; use rollout.placement = 'colocated'")
+    if cfg.model.kernels == "stock":
+        # the post-sync check reads our wrapper's prepared operands, which vLLM's own models lack
+        raise ConfigError("rollout.placement = 'separate' with model.kernels = 'stock' is not supported: the "
+                          "engine process's weight check needs titan_rl's model; use rollout.placement = 'colocated'")
     if r.engine_tp > 1:
         key = "rollout.engine_tp"
         _layout(layout.check_recipe, key, r.engine_tp, cfg.quantization.recipe)

@@ -12,7 +12,9 @@ request i's sampled tokens are predicted at positions P_i - 1 .. P_i + R_i - 2.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +48,7 @@ class Rollout:
     mu: list[torch.Tensor]  # float64 [R_i]: the sampler's log-prob of each sampled token (vLLM's floats, exact)
     full: list[torch.Tensor | None]  # float32 [R_i, V]: full log-prob rows where vLLM recorded them, else None
     kept: torch.Tensor | None = None  # bool [sum R_i, V]: the sampler's kept set per sampled token, in request order
-    kept_bytes: int | None = None  # the kept sets' encoded size in bytes
+    kept_bytes_each: list[int] | None = None  # each request's kept sets, encoded, in bytes
     routes: list[torch.Tensor] | None = None  # MoE: expert ids [P_i + R_i - 1, layers, k], uint8 (int16 > 256 experts)
     route_bytes_per_token: int | None = None  # one position's route record in bytes
     # sparse attention: the key positions each indexer layer selected [P_i + R_i - 1, layers, topk],
@@ -74,7 +76,7 @@ class Rollout:
         r = cls(ids, prompts, tokens, mu, full)
         if kept_sets is not None:
             r.kept = torch.cat([kept_sets.kept_for(rid, toks) for rid, toks in zip(ids, tokens)])
-            r.kept_bytes = kept_sets.total_bytes
+            r.kept_bytes_each = [kept_sets.bytes_of(rid) for rid in ids]
         if routes is not None:
             by_id = routes.assemble(outputs)
             r.routes = [by_id[rid] for rid in ids]
@@ -84,6 +86,39 @@ class Rollout:
             r.indices = [by_id[rid] for rid in ids]
             r.index_bytes_per_token = indices.bytes_per_token
         return r
+
+    @classmethod
+    def join(cls, parts: list[Rollout]) -> Rollout:
+        """The rollouts `parts` as one, requests in order (the engines' pieces of one step)."""
+        parts = [p for p in parts if len(p)] or parts[:1]
+
+        def joined(name):
+            values = [getattr(p, name) for p in parts]
+            if isinstance(values[0], list):
+                return [x for v in values for x in v]
+            if isinstance(values[0], torch.Tensor):
+                return torch.cat(values)
+            return values[0]  # a record's size per token: one engine build, one size
+
+        return cls(**{f.name: joined(f.name) for f in dataclasses.fields(cls)})
+
+    def rows(self, start: int, stop: int) -> Rollout:
+        """Requests start .. stop - 1 as a rollout of their own (one rank's share)."""
+        at = [0, *itertools.accumulate(map(len, self.tokens))]  # `kept` has a row per sampled token
+
+        def part(value):
+            if isinstance(value, list):
+                return value[start:stop]
+            if isinstance(value, torch.Tensor):
+                return value[at[start]:at[stop]]
+            return value
+
+        return Rollout(**{f.name: part(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    @property
+    def kept_bytes(self) -> int | None:
+        """The kept sets' encoded size in bytes."""
+        return None if self.kept_bytes_each is None else sum(self.kept_bytes_each)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -2,7 +2,7 @@
 and prove after each of those that it computes what the trainer computes.
 
 `EngineLink` is the one interface the RL step uses, whatever runs the engine:
-`submit(step, requests, params) -> Ticket` and `collect(ticket, capture) -> (rollout,
+`submit(step, requests, params, capture) -> Ticket` and `collect(ticket) -> (rollout,
 seconds, version)`, `sync`, `contract_metrics`, `resume`. `rollout` drives them for a
 training step: with `rollout.max_off_policy_steps = K` the next K steps' rollouts are
 submitted before this one is collected, and the parameter versions they may be rescored at
@@ -53,6 +53,7 @@ class Ticket:
     """A rollout submitted and not yet collected."""
 
     version: int  # the training step whose weights sample it
+    capture: tuple = ()  # the kinds of the engine's choices recorded with it (titan_rl.choices.KINDS)
     requests: list | None = None  # colocated: generated when collected
     params: list | None = None
     future: Future | None = None  # separate, rank 0: -> (outputs per dp share, seconds); None elsewhere
@@ -76,15 +77,15 @@ class EngineLink(abc.ABC):
         self._versions: Versions | None = None
 
     @abc.abstractmethod
-    def submit(self, step: int, requests: list[dict], params: list) -> Ticket:
+    def submit(self, step: int, requests: list[dict], params: list, capture=()) -> Ticket:
         """Start (or schedule) the rollout of `requests` during training step `step`, with the
-        weights the engine holds now."""
+        weights the engine holds now; `capture`: also record these kinds of the engine's
+        choices (titan_rl.choices.KINDS: the sampler's kept sets, the MoE routes, the
+        indexers' key sets), where the engine makes them."""
 
     @abc.abstractmethod
-    def collect(self, ticket: Ticket, capture=()) -> tuple[Rollout, float, int]:
-        """(this rank's Rollout of `ticket`, seconds spent generating, the weights' version);
-        `capture`: also record these kinds of the engine's choices (titan_rl.choices.KINDS:
-        the sampler's kept sets, the MoE routes, the indexers' key sets; in-process engines only)."""
+    def collect(self, ticket: Ticket) -> tuple[Rollout, float, int]:
+        """(this rank's Rollout of `ticket`, seconds spent generating, the weights' version)."""
 
     @abc.abstractmethod
     def sync(self, step: int) -> bool | None:
@@ -98,12 +99,12 @@ class EngineLink(abc.ABC):
         submitted (`requests_of(step)` -> (examples, requests, params)), and the current
         parameters kept as version step - 1 while a rollout sampled with them may be trained on."""
         r = self.cfg.rollout
-        ticket = self._ahead.pop(step, None) or self.submit(step, requests, params)
+        ticket = self._ahead.pop(step, None) or self.submit(step, requests, params, capture)
         self.versions.keep(step - 1)
         for ahead in range(step + 1, min(step + r.max_off_policy_steps, self.cfg.training.steps) + 1):
             if ahead not in self._ahead:
-                self._ahead[ahead] = self.submit(ahead, *requests_of(ahead)[1:])
-        return self.collect(ticket, capture)
+                self._ahead[ahead] = self.submit(ahead, *requests_of(ahead)[1:], capture)
+        return self.collect(ticket)
 
     @property
     def versions(self) -> Versions:
@@ -179,15 +180,16 @@ class ColocatedEngine(EngineLink):
         self.llm = make_llm(folder, EngineSettings.for_rollouts(self.cfg, per_rank))
         self._check_contract("before the first rollout")
 
-    def submit(self, step, requests, params):
-        return Ticket(step - 1, requests, params)  # sampled when collected: the weights synced after step - 1
+    def submit(self, step, requests, params, capture=()):
+        # sampled when collected: the weights synced after step - 1
+        return Ticket(step - 1, tuple(capture), requests, params)
 
-    def collect(self, ticket, capture=()):
+    def collect(self, ticket):
         if self.llm is None:
             self._start()
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            records = {name: stack.enter_context(KINDS[name].open_capture(self.llm)) for name in capture}
+            records = {name: stack.enter_context(KINDS[name].open_capture(self.llm)) for name in ticket.capture}
             outs = self.llm.generate(ticket.requests, ticket.params, use_tqdm=False)
         dt = time.perf_counter() - t0
         # read after the captures closed: closing is where they report unattributed steps

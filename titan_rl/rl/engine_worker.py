@@ -38,6 +38,30 @@ class TitanWorkerExtension:
         c = contract.model_contract(self._titan_model(), self.model_runner.model_config)
         return {"entries": c.entries(), "pid": os.getpid(), "threads": torch.get_num_threads()}
 
+    def titan_capture_begin(self, names: list[str]) -> None:
+        """Open the captures `names` (titan_rl.choices.KINDS: kept sets, routes, key indices) on
+        this worker's model runner for the next generate: the engine's choices are recorded
+        in the process that makes them, as an in-process engine's are."""
+        import contextlib
+
+        from titan_rl.choices import KINDS
+
+        if getattr(self, "_titan_capture", None) is not None:
+            raise RuntimeError("titan_capture_begin: the previous capture was not ended")
+        with contextlib.ExitStack() as stack:
+            records = {n: stack.enter_context(KINDS[n].open_capture(self.model_runner)) for n in names}
+            self._titan_capture = (stack.pop_all(), records)
+
+    def titan_capture_end(self) -> bytes:
+        """Close the open captures (closing is where they refuse steps they could not
+        attribute) and return their records {kind: record}, pickled: vLLM's RPC carries bytes."""
+        import pickle
+
+        stack, records = self._titan_capture
+        self._titan_capture = None
+        stack.close()
+        return pickle.dumps(records)
+
     def titan_corrupt_operand(self, name: str) -> None:
         """Tests only: change one element of the prepared operand `name` in this engine
         process (`corrupt_operand`), to see the post-sync check name it."""

@@ -27,6 +27,7 @@ requests and seeds give the same tokens).
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -123,9 +124,10 @@ class SeparateEngines(EngineLink):
         return bool(dead) or not all(_alive(p) for p in e.pids)
 
     # -- sampling --------------------------------------------------------------------------
-    def submit(self, step, requests, params):
+    def submit(self, step, requests, params, capture=()):
         """Gather the ranks' requests for `step` on rank 0 and start generating them with the
-        engines' current weights (returns at once)."""
+        engines' current weights (returns at once); the captures are opened in the engines'
+        worker processes and their records come back with the outputs."""
         if not self.engines and self.version is None:
             self._start(step)
         shares = [None] * self.ranks.world if self.ranks.rank == 0 else None
@@ -140,22 +142,21 @@ class SeparateEngines(EngineLink):
             for dp, reqs, ps in shares:
                 by_dp.setdefault(dp, (reqs, ps))
             ordered = [by_dp[d] for d in sorted(by_dp)]
-            future = self.thread.submit(self._generate, step, ordered)
-        p = Ticket(self.version, future=future)
+            future = self.thread.submit(self._generate, step, ordered, tuple(capture))
+        p = Ticket(self.version, tuple(capture), future=future)
         self.started.append(p)
         return p
 
-    def collect(self, p, capture=()):
-        """(this rank's Rollout, seconds rank 0 spent generating, the weights' version). The
-        captures are in-process only: config validation refuses what would need them here."""
+    def collect(self, p):
+        """(this rank's Rollout, seconds rank 0 spent generating, the weights' version)."""
         payload, error = None, None
         if self.ranks.rank == 0:
             try:
-                outs, dt = p.future.result()
+                shares, dt = p.future.result()
             except RunStopped as e:
                 error = e
             else:
-                payload = [(Rollout.from_vllm(o), dt) for o in outs]
+                payload = [(share, dt) for share in shares]
         self._agree(error)
         self.started.remove(p)
         if self.ranks.world > 1:
@@ -178,38 +179,40 @@ class SeparateEngines(EngineLink):
             self._dp_of_rank = every
         return self._dp_of_rank
 
-    def _generate(self, step: int, shares: list[tuple]) -> tuple[list[list], float]:
+    def _generate(self, step: int, shares: list[tuple], capture: tuple) -> tuple[list[Rollout], float]:
         """Rank 0's rollout thread: the shares' requests in one global order, cut into one
-        contiguous piece per engine, generated concurrently; outputs regrouped per share."""
+        contiguous piece per engine, generated concurrently (each engine's records assembled
+        against its own piece: its prefix cache is its own); one Rollout per share."""
         t0 = time.perf_counter()
         flat = [(r, p) for reqs, ps in shares for r, p in zip(reqs, ps)]
         n = len(self.engines)
         size = -(-len(flat) // n)
         pieces = [flat[i * size:(i + 1) * size] for i in range(n)]
         with ThreadPoolExecutor(max_workers=n) as pool:
-            futures = [pool.submit(self._piece, e, piece) for e, piece in zip(self.engines, pieces)]
+            futures = [pool.submit(self._piece, e, piece, capture) for e, piece in zip(self.engines, pieces)]
             results = [f.result() for f in futures]
         for i, got in enumerate(results):
             if got is None:  # the engine died: restarted here, in the long-lived rollout thread
                 # (an engine process dies with the thread that started it), or the run stops
                 self.engines[i] = self._restart(self.engines[i], f"the rollout of step {step}")
-                results[i] = self._piece(self.engines[i], pieces[i])
+                results[i] = self._piece(self.engines[i], pieces[i], capture)
                 if results[i] is None:
                     raise RunStopped(self._death(self.engines[i], f"the rollout of step {step} (after a restart)"))
-        outs = [o for got in results for o in got]
+        whole = Rollout.join(results)
         dt = time.perf_counter() - t0
         grouped, at = [], 0
         for reqs, _ in shares:
-            grouped.append(outs[at:at + len(reqs)])
+            grouped.append(whole.rows(at, at + len(reqs)))
             at += len(reqs)
         return grouped, dt
 
-    def _piece(self, e: _Engine, piece: list) -> list | None:
-        """Engine e's outputs for `piece`; None when its process died."""
+    def _piece(self, e: _Engine, piece: list, capture: tuple) -> Rollout | None:
+        """Engine e's Rollout of `piece`, with the records of `capture` made in its worker
+        (TP: the first worker's; each computes every token's choices); None when its process died."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if not piece:
-            return []
+            return Rollout.from_vllm([])
         if self._dead(e):
             return None
         done = threading.Event()
@@ -224,7 +227,11 @@ class SeparateEngines(EngineLink):
 
         threading.Thread(target=watch, name=f"titan_rl-engine{e.index}-watch", daemon=True).start()
         try:
-            return e.llm.generate([r for r, _ in piece], [p for _, p in piece], use_tqdm=False)
+            if capture:
+                e.llm.collective_rpc("titan_capture_begin", args=(list(capture),))
+            outs = e.llm.generate([r for r, _ in piece], [p for _, p in piece], use_tqdm=False)
+            records = pickle.loads(e.llm.collective_rpc("titan_capture_end")[0]) if capture else {}
+            return Rollout.from_vllm(outs, **records)
         except EngineDeadError:
             return None
         finally:

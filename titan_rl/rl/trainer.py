@@ -150,11 +150,11 @@ class RLTrainer(Trainer):
         metrics: dict = self.choices.bytes_metrics(rollout)
         times = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         if lag:  # engine vs trainer at the rollout's own (older) weights: the operator mismatch alone
-            t0 = time.perf_counter()
+            t0, own = time.perf_counter(), []  # and the model's own choices at those weights
             with torch.no_grad(), self.engine.versions.at(version):
-                pi_behaviour = torch.cat([self._score(b, rows, None) for rows in pieces])
+                pi_behaviour = torch.cat([self._score(b, rows, own) for rows in pieces])
             times["forward"] += time.perf_counter() - t0
-            self._at_rollout_weights(b, pi_behaviour, [], metrics)
+            self._at_rollout_weights(b, pi_behaviour, own, metrics)
         for k in range(a.updates_per_batch):
             # the first update also measures engine vs trainer at the rollout's weights; the
             # corrections need the whole share's pi_old before the first piece's loss

@@ -187,15 +187,11 @@ def _torchao_config_json(name: str) -> str:
     return json.dumps(config_to_dict(getattr(torchao.quantization, name)()))
 
 
-def _model_runner(llm):
-    core = llm.llm_engine.engine_core
-    core = getattr(core, "engine_core", core)
-    return core.model_executor.driver_worker.worker.model_runner
-
-
 def engine_model(llm) -> torch.nn.Module:
     """The model object inside an in-process engine."""
-    return _model_runner(llm).model
+    from titan_rl.vllm.sampling import model_runner
+
+    return model_runner(llm).model
 
 
 def update_weights(llm, state_dict: dict) -> None:
@@ -210,5 +206,7 @@ def update_weights(llm, state_dict: dict) -> None:
     if isinstance(model, TitanForCausalLM):
         model.load_weights(state_dict.items())
     else:
-        _model_runner(llm).reload_weights(weights_iterator=iter(state_dict.items()))
+        from titan_rl.vllm.sampling import model_runner
+
+        model_runner(llm).reload_weights(weights_iterator=iter(state_dict.items()))
     llm.reset_prefix_cache()

@@ -166,6 +166,9 @@ class KeptSets:
     def total_bytes(self) -> int:
         return sum(len(b) for v in self.encoded.values() for b in v)
 
+    def bytes_of(self, request_id: str) -> int:
+        return sum(len(b) for b in self.encoded.get(request_id, ()))
+
     def kept(self, request_id: str) -> torch.Tensor:
         """bool [T, V]: the kept set of each generated token of `request_id`."""
         rows = self.encoded[request_id]
@@ -235,6 +238,10 @@ _ACTIVE: _Capture | None = None
 
 
 def model_runner(llm):
+    """The model runner of an in-process engine `llm`; a model runner is itself (inside an
+    engine's worker process the captures are opened on it: titan_rl.rl.engine_worker)."""
+    if hasattr(llm, "input_batch"):
+        return llm
     core = llm.llm_engine.engine_core
     core = getattr(core, "engine_core", core)
     return core.model_executor.driver_worker.worker.model_runner
