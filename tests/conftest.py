@@ -85,7 +85,7 @@ def pytest_sessionfinish(session, exitstatus):
 # and one worker runs alone for the final ten minutes. The order inside each file is kept.
 _SLOWEST_FIRST = ("test_train.py", "test_train_torchrun.py", "test_hybrids_vllm.py", "test_validation.py",
                   "test_titan_parallel.py", "test_engine_link.py", "test_hybrid.py", "test_tp_leaves.py",
-                  "test_hybrids_parity.py", "test_separate_checks.py", "test_quant_cells.py")
+                  "test_hybrids_parity.py", "test_separate_checks.py", "test_separate_choices.py", "test_quant_cells.py")
 
 
 def pytest_collection_modifyitems(config, items):
