@@ -2,9 +2,9 @@
 sigmoid router of kernels/moe/triton_impl.py) under TRITON_INTERPRET=1 on CPU tensors: each
 against its fp64 reference at the CPU form's tolerances (tests/test_glm5_kernels.py), the tie
 rules on constructed ties, and row invariance with torch.equal (alone, in other batches, in the
-trainer's dense layout and the engine's paged one). Odd sizes: 7 indexer heads of 24, latent
-keys of 40 and values of 24, top-k 5, hidden 70, 12 experts in groups of 3; tiny, as the
-interpreter is slow.
+trainer's dense layout and the engine's paged one); a tiny GLM-5 model on the Triton column.
+Odd sizes: 7 indexer heads of 24, latent keys of 40 and values of 24, top-k 5, hidden 70, 12
+experts in groups of 3; tiny, as the interpreter is slow.
 
 TRITON_INTERPRET must be set before triton is first imported: as tests/test_triton_kernels.py,
 this module runs in-process when it is the first to import triton, and otherwise
@@ -47,8 +47,17 @@ from titan_rl.kernels.sparse_attention.torch_impl import sparse_attention_eager 
 
 if IN_PROCESS:
     # @triton.jit picks interpreter vs compiler when a kernel is decorated (at import): if
-    # these modules were imported before the variable was set, re-decorate them.
+    # these modules were imported before the variable was set, re-decorate them. The model
+    # test reaches the other Triton modules too: they are imported (and re-decorated) here,
+    # while the variable is set, not later by another test module collected after this one.
+    from titan_rl.kernels.attention import triton_impl as _attn
+    from titan_rl.kernels.elementwise import triton_impl as _ew
+    from titan_rl.kernels.lm_head import triton_impl as _lm
+    from titan_rl.kernels.rmsnorm import triton_impl as _rn
+
     mm = importlib.reload(mm)
+    for _m in (_attn, _ew, _rn, _lm):  # _lm after mm: it binds mm.linear
+        importlib.reload(_m)
     mo = importlib.reload(mo)  # after mm: it binds mm.linear
     ln, ix, sa = (importlib.reload(m) for m in (ln, ix, sa))
     from titan_rl.kernels.interpreter import pin_interpreter_dot
@@ -333,3 +342,38 @@ def test_reads_outside_the_cache_are_refused(rng):
         sa.sparse_mla_attention(seqs.qa[1][3:4], cache, bad_bt, seq, ind, 1.0, DV)
     with pytest.raises(ValueError, match="outside"):
         sa.sparse_mla_attention(seqs.qa[1][3:4], cache, bt, seq, ind + 40, 1.0, DV)
+
+
+def test_glm5_model_on_the_triton_column(rng, monkeypatch):
+    """A tiny GLM-5 (hidden 70, 101 tokens, top-k 5 of 11 positions, 5 experts) with every op on
+    the dispatcher's Triton column: a sequence's logits are the same bits alone as in a batch,
+    within fp32 rounding of the CPU column's; the contract names the Triton forms; the
+    trainer's backward runs through them."""
+    from titan_rl import contract
+    from titan_rl.models.glm_moe_dsa.config import GlmDsaConfig
+    from titan_rl.models.options import ModelOptions
+    from titan_rl.titan.spec import model_config
+
+    cfg = GlmDsaConfig(vocab_size=101, hidden_size=70, intermediate_size=72, num_hidden_layers=2,
+                       mlp_layer_types=("dense", "sparse"), indexer_types=("full", "full"), index_topk=5)
+    m = model_config("glm_moe_dsa", "debug_glm5", ModelOptions(), model_config=cfg).build()
+    m.init_weights(seed=int(torch.randint(0, 2**31, (1,), generator=rng)), std=0.05)
+    tokens = torch.randint(0, 101, (2, 11), generator=rng)
+    with torch.no_grad():
+        cpu = m(tokens)
+        with dispatch.use_backend("triton"):
+            both = m(tokens)
+            alone = m(tokens[1:])
+    assert torch.equal(alone, both[1:])
+    # fp32 GEMMs, norms and softmaxes in other orders: a few ulps of |logit| <= ~2 per op
+    torch.testing.assert_close(both, cpu, atol=2e-5, rtol=0)
+    monkeypatch.setattr(contract, "check_platform", lambda *a, **k: None)  # the probe: gpu_check.py's
+    with dispatch.use_backend("triton"):
+        e = contract.contract_of(m).entries()
+        assert e["op.index_topk"] == "titan_rl.kernels.indexer.triton_impl.index_topk"
+        assert e["op.sparse_attention"] == "titan_rl.kernels.sparse_attention.triton_impl.sparse_mla_attention"
+        assert e["op.layer_norm"] == "titan_rl.kernels.layernorm.triton_impl.layer_norm"
+        m(tokens[:1, :7]).float().logsumexp(-1).mean().backward()
+    grads = [p.grad for p in m.parameters() if p.requires_grad]
+    assert all(g is None or torch.isfinite(g).all() for g in grads) and any(
+        g is not None and g.abs().sum() > 0 for g in grads)
