@@ -1,6 +1,7 @@
 """The kernel dispatcher (kernels/dispatch.py): one table, per op and device; the Ops, the
 self-check and the execution contract all follow its choice. Running the Triton column
-end to end is tests/test_triton_kernels.py's (it needs the interpreter)."""
+end to end is tests/test_triton_kernels.py's and tests/test_triton_glm5.py's (they need the
+interpreter)."""
 
 import pytest
 import torch
