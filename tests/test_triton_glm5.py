@@ -115,7 +115,7 @@ class Seqs:
     trainer's dense layout [B, L, W] (one page per sequence) and a paged cache of shuffled
     pages (unused pages and slots hold NaN: a read outside a row's positions would show)."""
 
-    def __init__(self, rng, dtype, lens=LENS, page=8):
+    def __init__(self, rng, dtype, lens=LENS, page=5):
         self.lens = lens
         L = max(lens)
         self.rows = [torch.randn(n, W, generator=rng).to(dtype) for n in lens]
