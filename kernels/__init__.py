@@ -9,8 +9,7 @@ Both engines import the functions below and nothing else, so the trainer and the
 sampler can never drift onto different code for the same op. Each is a dispatched op
 (kernels/dispatch.py: torch_impl for CPU tensors, triton_impl for CUDA ones; the
 tensor-parallel pieces tree_sum, leaf_partials, linear_k_leaves, linear_n_blocks and
-rms_norm_heads, and GLM-5's sparse-attention ops index_topk, sparse_mla_attention,
-layer_norm and moe.router_sigmoid_topk have a CPU implementation only).
+rms_norm_heads have a CPU implementation only).
 """
 
 from titan_rl.kernels.dispatch import (

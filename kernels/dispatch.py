@@ -52,11 +52,13 @@ TABLE: dict[str, dict[str, str]] = {
     "drop_mask": {"torch": "sampling.torch_impl:drop_mask", "triton": "sampling.triton_impl:drop_mask"},
     "moe_experts": {"torch": "moe.torch_impl:moe_experts", "triton": "moe.triton_impl:moe_experts"},
     # DeepSeek sparse attention (GLM-5): the indexer's top-k, attention over the selected keys,
-    # the indexer key's LayerNorm, the sigmoid router; the CPU implementation only, so far
-    "index_topk": {"torch": "indexer.torch_impl:index_topk"},
-    "sparse_mla_attention": {"torch": "sparse_attention.torch_impl:sparse_mla_attention"},
-    "layer_norm": {"torch": "layernorm.torch_impl:layer_norm"},
-    "router_sigmoid_topk": {"torch": "moe.torch_impl:router_sigmoid_topk"},
+    # the indexer key's LayerNorm, the sigmoid router
+    "index_topk": {"torch": "indexer.torch_impl:index_topk", "triton": "indexer.triton_impl:index_topk"},
+    "sparse_mla_attention": {"torch": "sparse_attention.torch_impl:sparse_mla_attention",
+                             "triton": "sparse_attention.triton_impl:sparse_mla_attention"},
+    "layer_norm": {"torch": "layernorm.torch_impl:layer_norm", "triton": "layernorm.triton_impl:layer_norm"},
+    "router_sigmoid_topk": {"torch": "moe.torch_impl:router_sigmoid_topk",
+                            "triton": "moe.triton_impl:router_sigmoid_topk"},
     # the tensor-parallel pieces (fixed column blocks, K-leaves and their tree, the per-head
     # norm's tree): the CPU implementation only, so far
     "tree_sum": {"torch": "matmul.torch_impl:tree_sum"},

@@ -1,6 +1,7 @@
 """The kernel dispatcher (kernels/dispatch.py): one table, per op and device; the Ops, the
 self-check and the execution contract all follow its choice. Running the Triton column
-end to end is tests/test_triton_kernels.py's (it needs the interpreter)."""
+end to end is tests/test_triton_kernels.py's and tests/test_triton_glm5.py's (they need the
+interpreter)."""
 
 import pytest
 import torch
@@ -11,9 +12,8 @@ from titan_rl.kernels import dispatch, selfcheck
 from titan_rl.models import qwen3
 
 
-# the TP pieces, and GLM-5's sparse-attention ops (no Triton form written yet)
-CPU_ONLY = {"tree_sum", "leaf_partials", "linear_k_leaves", "linear_n_blocks", "rms_norm_heads",
-            "index_topk", "sparse_mla_attention", "layer_norm", "router_sigmoid_topk"}
+# the TP pieces (no Triton form written yet)
+CPU_ONLY = {"tree_sum", "leaf_partials", "linear_k_leaves", "linear_n_blocks", "rms_norm_heads"}
 
 
 def test_cpu_runs_torch_impl_and_cuda_triton_impl():

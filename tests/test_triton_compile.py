@@ -22,11 +22,14 @@ from triton.compiler import ASTSource  # noqa: E402
 from titan_rl.kernels.attention import triton_impl as at  # noqa: E402
 from titan_rl.kernels.elementwise import triton_impl as ew  # noqa: E402
 from titan_rl.kernels.gdn import triton_impl as gd  # noqa: E402
+from titan_rl.kernels.indexer import triton_impl as ix  # noqa: E402
+from titan_rl.kernels.layernorm import triton_impl as ln  # noqa: E402
 from titan_rl.kernels.lm_head import triton_impl as lm  # noqa: E402
 from titan_rl.kernels.matmul import triton_impl as mm  # noqa: E402
 from titan_rl.kernels.moe import triton_impl as mo  # noqa: E402
 from titan_rl.kernels.rmsnorm import triton_impl as rn  # noqa: E402
 from titan_rl.kernels.sampling import triton_impl as sp  # noqa: E402
+from titan_rl.kernels.sparse_attention import triton_impl as sa  # noqa: E402
 
 F32, I32, I64 = "*fp32", "*i32", "*i64"
 # kernel, pointer dtypes other than bf16, constexpr values
@@ -47,6 +50,15 @@ KERNELS = [
     (mo._combine_kernel, {"w_ptr": F32}, {"BLOCK_H": mo.BLOCK_H}),
     (sp._drop_kernel, {"x_ptr": F32, "k_ptr": I64, "p_ptr": F32, "d_ptr": "*i8"},
      {"USE_K": True, "USE_P": True, "BLOCK_V": sp.BLOCK_V, "STEPS": sp.STEPS}),
+    # GLM-5 (DeepSeek sparse attention)
+    (ln._layer_norm_kernel, {}, {"BLOCK_N": 1024}),
+    (ln._layer_norm_kernel, {"x_ptr": F32, "w_ptr": F32, "b_ptr": F32, "y_ptr": F32}, {"BLOCK_N": 1024}),
+    (mo._sigmoid_choice_kernel, {"c_ptr": F32, "ids_ptr": I64}, {"GROUPED": True, "BLOCK_G": 8, "BLOCK_P": 32}),
+    (ix._index_scores_kernel, {"w_ptr": F32, "bt_ptr": I64, "seq_ptr": I64, "pos_ptr": I64, "key_ptr": I32},
+     {"BLOCK_N": ix.BLOCK_N, "BLOCK_H": 32, "BLOCK_D": 128}),
+    (ix._select_kernel, {"key_ptr": I32, "pos_ptr": I64, "out_ptr": I64}, {"BLOCK_S": ix.BLOCK_S}),
+    (sa._sparse_attention_kernel, {"bt_ptr": I64, "seq_ptr": I64, "ind_ptr": I64},
+     {"BLOCK_N": sa.BLOCK_N, "BLOCK_H": sa.BLOCK_H, "BLOCK_D": sa.BLOCK_D, "BLOCK_DV": sa.BLOCK_DV}),
 ]
 
 
@@ -58,7 +70,7 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
         elif name.endswith("_ptr"):
             sig[name] = pointers.get(name, "*bf16")
         else:
-            sig[name] = "fp32" if name in ("scale", "eps") else "i32"
+            sig[name] = "fp32" if name in ("scale", "eps", "n_float") else "i32"
     return sig
 
 

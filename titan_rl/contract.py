@@ -158,7 +158,8 @@ def check_ranks(mine: Contract, world_group=None) -> None:
 
 def _resolved_name(fn, device) -> str:
     """What `fn` runs on `device`, or that it has no form there: an op a model never calls may
-    lack one (GLM-5's ops are CPU-only); a model that calls it fails at the call, naming it."""
+    lack one (the tensor-parallel pieces are CPU-only); a model that calls it fails at the call,
+    naming it."""
     try:
         return _qualname(dispatch.resolve(fn, device))
     except NotImplementedError:

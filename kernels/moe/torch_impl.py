@@ -234,11 +234,17 @@ def router_sigmoid_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, bias: t
 
     route_override [T, k]: use exactly these experts (router replay; a row whose first id is
     negative keeps the router's own choice); the weights stay the current scores of them."""
-    E = gate_weight.shape[0]
-    check_k(k, E)
+    check_k(k, gate_weight.shape[0])
     scores = sigmoid(linear_fn(hidden.float(), gate_weight.float()))
     choice = group_limited_choice(scores + bias.float(), n_group, topk_group, topk_fn)
-    own = topk_fn(choice, k)
+    return sigmoid_routes(scores, topk_fn(choice, k), norm_topk_prob, scaling, route_override)
+
+
+def sigmoid_routes(scores: torch.Tensor, own: torch.Tensor, norm_topk_prob: bool, scaling: float,
+                   route_override: torch.Tensor | None):
+    """router_sigmoid_topk's result from the fp32 scores [T, E] and the router's own ids [T, k]
+    (shared by both implementations: gathers and elementwise ops only)."""
+    E, k = scores.shape[1], own.shape[1]
     ids = own
     if route_override is not None:
         T = scores.shape[0]

@@ -7,14 +7,18 @@
   implementation's choice.
 * combine: one program per (token, block of H columns): sum_j w[t, j] * y[t, j] in fp32,
   slots in order 0..k-1, cast once.
+* sigmoid router (GLM-5 / DeepSeek-V3): the choice scores (sigmoid scores + bias, elementwise)
+  of a row as one [groups, experts per group] tile: group scores (top-2 sums), the topk_group
+  best groups, then k rounds of (max, lowest expert index holding it) over the kept groups,
+  picks excluded. Comparisons and torch_impl's one add per group, so the ids equal torch_impl's.
 Each program sees one token only, so a token's bits do not depend on the batch. Grouping
 tokens by expert and the replay / renormalisation rules are torch_impl's (gathers and
-elementwise ops: `by_expert`, `routes`).
+elementwise ops: `by_expert`, `routes`, `sigmoid_routes`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -22,7 +26,9 @@ import triton.language as tl
 
 from titan_rl.kernels.autograd import with_eager_backward
 from titan_rl.kernels.matmul.triton_impl import linear
-from titan_rl.kernels.moe.torch_impl import ExpertFn, LinearFn, by_expert, check_k, routes
+from titan_rl.kernels.moe.torch_impl import (ExpertFn, LinearFn, by_expert, check_k, group_limited_choice, routes,
+                                             sigmoid_routes)
+from titan_rl.kernels.moe.torch_impl import topk_ties_low as _topk_ties_low_torch
 
 BLOCK_H = 256  # combine: hidden columns per program; fixed
 
@@ -118,3 +124,81 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 experts: Sequence[ExpertFn]) -> torch.Tensor:
     """torch_impl.moe_experts's contract: x [T, H], ids [T, k], weights [T, k] -> [T, H]."""
     return combine(by_expert(x, ids, experts), weights, x.dtype)
+
+
+# -- the sigmoid router (DeepSeek-V3 / GLM-5) ---------------------------------------------
+
+@triton.jit
+def _sigmoid_choice_kernel(c_ptr, ids_ptr, PER, N_GROUP, TOPK_GROUP, K, sc, si,
+                           GROUPED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    # The row's E choice scores as a [groups, experts per group] tile; expert e = g * PER + p.
+    row = tl.program_id(0).to(tl.int64)
+    gg = tl.arange(0, BLOCK_G)
+    pp = tl.arange(0, BLOCK_P)
+    valid = (gg[:, None] < N_GROUP) & (pp[None, :] < PER)
+    e = gg[:, None] * PER + pp[None, :]
+    choice = tl.load(c_ptr + row * sc + e, mask=valid, other=float("-inf"))
+    if GROUPED:
+        # a group's score: its two largest choices (a tied maximum counts twice, as torch.topk's
+        # values do); max and a sum of two are exact in any order
+        m1 = tl.max(choice, axis=1)
+        first = tl.min(tl.where(choice == m1[:, None], pp[None, :], BLOCK_P), axis=1)
+        m2 = tl.max(tl.where(pp[None, :] == first[:, None], float("-inf"), choice), axis=1)
+        gscore = m1 + m2
+        kept = gg < 0
+        for _ in range(0, TOPK_GROUP):  # best groups, ties to the lowest group
+            masked = tl.where(kept, float("-inf"), gscore)
+            m = tl.max(masked, axis=0)
+            pick = tl.min(tl.where((masked == m) & ~kept & (gg < N_GROUP), gg, BLOCK_G), axis=0)
+            kept = kept | (gg == pick)
+        choice = tl.where(kept[:, None], choice, float("-inf"))
+    taken = e < 0
+    big = BLOCK_G * BLOCK_P
+    for j in range(0, K):  # k rounds: the maximum, then the lowest expert holding it
+        masked = tl.where(taken, float("-inf"), choice)
+        m = tl.max(tl.max(masked, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where((masked == m) & ~taken & valid, e, big), axis=1), axis=0)
+        tl.store(ids_ptr + row * si + j, pick.to(tl.int64))
+        taken = taken | (e == pick)
+
+
+def _sigmoid_choice(choice: torch.Tensor, k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    c = choice.detach().float().contiguous()
+    T, E = c.shape
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group = {n_group} must divide the {E} experts")
+    per = E // n_group
+    if n_group > 1 and (per < 2 or not 1 <= topk_group <= n_group):
+        raise ValueError(f"group-limited routing needs >= 2 experts per group and 1 <= topk_group <= n_group "
+                         f"(E = {E}, n_group = {n_group}, topk_group = {topk_group})")
+    ids = torch.empty(T, k, dtype=torch.long, device=c.device)
+    if T:
+        if bool(torch.isnan(c).any()):
+            raise ValueError("router scores contain NaN; cannot choose experts")
+        _sigmoid_choice_kernel[(T,)](c, ids, per, n_group, topk_group, k, c.stride(0), ids.stride(0),
+                                     GROUPED=n_group > 1, BLOCK_G=triton.next_power_of_2(n_group),
+                                     BLOCK_P=triton.next_power_of_2(per))
+    return ids
+
+
+def topk_ties_low(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """torch_impl.topk_ties_low's contract (ids [T, k] of the k largest scores, -inf excluded,
+    ties to the lowest index) as one program per row."""
+    return _sigmoid_choice(scores, k, 1, 1)
+
+
+def router_sigmoid_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
+                        topk_group: int, norm_topk_prob: bool, scaling: float, sigmoid: Callable,
+                        route_override: torch.Tensor | None = None, linear_fn: LinearFn = linear,
+                        topk_fn: Callable[[torch.Tensor, int], torch.Tensor] = topk_ties_low):
+    """torch_impl.router_sigmoid_topk's contract. With the lowest-index tie rule (this module's
+    topk_ties_low or torch_impl's: the same rule), the group limit and the top-k run as one
+    program per row; any other topk_fn (the stock mode's torch.topk) is used as given."""
+    check_k(k, gate_weight.shape[0])
+    scores = sigmoid(linear_fn(hidden.float(), gate_weight.float()))
+    choice = scores + bias.float()
+    if topk_fn is topk_ties_low or topk_fn is _topk_ties_low_torch:
+        own = _sigmoid_choice(choice, k, n_group, topk_group)
+    else:
+        own = topk_fn(group_limited_choice(choice, n_group, topk_group, topk_fn), k)
+    return sigmoid_routes(scores, own, norm_topk_prob, scaling, route_override)
