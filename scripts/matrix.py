@@ -91,17 +91,19 @@ def run_cell(arch: str, mode: str, layout: str, placement: str, out_dir: Path, t
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        code, err = r.returncode, (r.stderr or r.stdout).strip().splitlines()
+        code, said = r.returncode, (r.stdout + "\n" + r.stderr).strip().splitlines()
     except subprocess.TimeoutExpired:
-        code, err = None, [f"timed out after {timeout} s"]
+        code, said = None, [f"timed out after {timeout} s"]
     cell = {"arch": arch, "mode": mode, "layout": layout, "placement": placement,
             "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
+    refusal = [line for line in said if line.startswith("config error:")]  # the start-up validation's line
+    errors = [line for line in said if line.startswith(("error:", "[rank0]: ")) and "rror" in line]
     if code == 0:
         cell["lines"] = read_metrics(run_dir)
-    elif code == 2 and err and err[-1].startswith("error:"):
-        cell["refused"] = err[-1]
-    else:
-        cell["failed"] = err[-1] if err else f"exit {code}"
+    elif refusal:
+        cell["refused"] = refusal[-1]
+    else:  # torchrun ends with its own summary: a rank's error line is the one to show
+        cell["failed"] = (errors or said or [f"exit {code}"])[-1]
     return cell
 
 
