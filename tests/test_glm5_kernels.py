@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _paged_rows import dense_and_paged
 from _threads import threads as thread_count
 from titan_rl.kernels import index_topk, layer_norm, sparse_mla_attention
 from titan_rl.kernels.indexer.reference import index_scores_reference, topk_reference
@@ -40,28 +41,11 @@ class Seqs:
 
     def __init__(self, rng, dtype, lens=LENS, page=16):
         self.lens, self.dtype, self.page = lens, dtype, page
-        L = max(lens)
         self.rows = [torch.randn(n, W, generator=rng).to(dtype) for n in lens]
         self.q = [torch.randn(n, H, D, generator=rng).to(dtype) for n in lens]
         self.w = [torch.randn(n, H, generator=rng) for n in lens]
         self.qa = [torch.randn(n, 4, DQ, generator=rng).to(dtype) for n in lens]  # 4 attention heads
-        dense = torch.zeros(len(lens), L, W, dtype=dtype)
-        for i, r in enumerate(self.rows):
-            dense[i, : r.shape[0]] = r
-        self.dense = (dense, torch.arange(len(lens)).view(-1, 1))
-        n_pages = [-(-n // page) for n in lens]
-        order = torch.randperm(sum(n_pages), generator=rng)
-        cache = torch.full((sum(n_pages) + 3, page, W), float("nan"), dtype=dtype)  # unused pages hold NaN
-        bt = torch.full((len(lens), max(n_pages)), -7, dtype=torch.long)
-        k = 0
-        for i, n in enumerate(lens):
-            for p in range(n_pages[i]):
-                slot = int(order[k]) + 3
-                k += 1
-                bt[i, p] = slot
-                part = self.rows[i][p * page:(p + 1) * page]
-                cache[slot, : part.shape[0]] = part
-        self.paged = (cache, bt)
+        self.dense, self.paged = dense_and_paged(self.rows, page, rng, dtype, spare=3)
 
     def call(self, fn, items, layout, **kw):
         """fn over the query rows `items` ([(sequence, position)], one call), in a layout."""

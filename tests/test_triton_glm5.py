@@ -13,7 +13,6 @@ test_in_a_fresh_interpreter_process runs this file in a child process.
 
 import importlib
 import os
-import subprocess
 import sys
 
 _PREV = os.environ.get("TRITON_INTERPRET")
@@ -23,10 +22,14 @@ if IN_PROCESS:
 
 import pytest  # noqa: E402
 
+from _interpreter_harness import harness, restore  # noqa: E402
+
 pytest.importorskip("numpy")
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+
+from _paged_rows import dense_and_paged  # noqa: E402
 
 import titan_rl.kernels as K  # noqa: E402
 from titan_rl.kernels import dispatch  # noqa: E402
@@ -65,39 +68,8 @@ if IN_PROCESS:
     pin_interpreter_dot()  # tl.dot without the host BLAS's row-position dependence
 
 
-def _restore_env():
-    if _PREV is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV
-
-
-_restore_env()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():
-    if IN_PROCESS:
-        os.environ["TRITON_INTERPRET"] = "1"  # the interpreter also reads it at run time
-    yield
-    _restore_env()
-
-
-@pytest.fixture(autouse=True)
-def _in_process_only(request):
-    if not IN_PROCESS and request.node.name != "test_in_a_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
-                    "test_in_a_fresh_interpreter_process runs these tests in a child process")
-
-
-def test_in_a_fresh_interpreter_process():
-    if IN_PROCESS:
-        pytest.skip("this process runs the Triton interpreter itself")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"Triton interpreter tests failed in the child process:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+restore(_PREV)  # set only while this module imports (above) and runs (_interpreter_env)
+_interpreter_env, _in_process_only, test_in_a_fresh_interpreter_process = harness(_PREV, IN_PROCESS, __file__)
 
 
 H, D, W, KEY_OFF, DQ, DV, TOPK = 7, 24, 83, 56, 40, 24, 5  # indexer heads x dim; row width; latent key / value
@@ -117,28 +89,11 @@ class Seqs:
 
     def __init__(self, rng, dtype, lens=LENS, page=5):
         self.lens = lens
-        L = max(lens)
         self.rows = [torch.randn(n, W, generator=rng).to(dtype) for n in lens]
         self.q = [torch.randn(n, H, D, generator=rng).to(dtype) for n in lens]
         self.w = [torch.randn(n, H, generator=rng) for n in lens]
         self.qa = [torch.randn(n, HA, DQ, generator=rng).to(dtype) for n in lens]
-        dense = torch.full((len(lens), L, W), float("nan"), dtype=dtype)
-        for i, r in enumerate(self.rows):
-            dense[i, : r.shape[0]] = r
-        self.dense = (dense, torch.arange(len(lens)).view(-1, 1))
-        n_pages = [-(-n // page) for n in lens]
-        order = torch.randperm(sum(n_pages), generator=rng)
-        cache = torch.full((sum(n_pages) + 2, page, W), float("nan"), dtype=dtype)
-        bt = torch.full((len(lens), max(n_pages)), -7, dtype=torch.long)
-        k = 0
-        for i, n in enumerate(lens):
-            for p in range(n_pages[i]):
-                slot = int(order[k]) + 2
-                k += 1
-                bt[i, p] = slot
-                part = self.rows[i][p * page:(p + 1) * page]
-                cache[slot, : part.shape[0]] = part
-        self.paged = (cache, bt)
+        self.dense, self.paged = dense_and_paged(self.rows, page, rng, dtype, spare=2, dense_fill=float("nan"))
         self.every = [(s, p) for s, n in enumerate(lens) for p in range(n)]
 
     def args(self, items, layout):

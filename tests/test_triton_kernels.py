@@ -19,7 +19,6 @@ other test modules' tests.
 
 import importlib
 import os
-import subprocess
 import sys
 
 _PREV = os.environ.get("TRITON_INTERPRET")
@@ -30,6 +29,8 @@ if IN_PROCESS:
 import math  # noqa: E402
 
 import pytest  # noqa: E402
+
+from _interpreter_harness import harness, restore  # noqa: E402
 
 pytest.importorskip("numpy")
 pytest.importorskip("triton")
@@ -55,39 +56,8 @@ if IN_PROCESS:
     pin_interpreter_dot()  # tl.dot without the host BLAS's row-position dependence
 
 
-def _restore_env():
-    if _PREV is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV
-
-
-_restore_env()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():
-    if IN_PROCESS:
-        os.environ["TRITON_INTERPRET"] = "1"  # the interpreter also reads it at run time
-    yield
-    _restore_env()
-
-
-@pytest.fixture(autouse=True)
-def _in_process_only(request):
-    if not IN_PROCESS and request.node.name != "test_in_a_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
-                    "test_in_a_fresh_interpreter_process runs these tests in a child process")
-
-
-def test_in_a_fresh_interpreter_process():
-    if IN_PROCESS:
-        pytest.skip("this process runs the Triton interpreter itself")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"Triton interpreter tests failed in the child process:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+restore(_PREV)  # set only while this module imports (above) and runs (_interpreter_env)
+_interpreter_env, _in_process_only, test_in_a_fresh_interpreter_process = harness(_PREV, IN_PROCESS, __file__)
 
 
 BLOCK = attn.BLOCK
