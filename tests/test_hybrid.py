@@ -1,8 +1,8 @@
 """qwen3_hybrid (GDN linear attention 3 : 1 full attention): the model against a plain
 fp64 reference, trainer invariance, trainer log-probs == vLLM sampler log-probs bitwise
 (torch.equal; bf16 and fp32) with the recurrent state in vLLM's state cache, an RL run
-with mismatch 0 (and the same run with a separate engine at TP 2: the same metrics lines),
-and config errors.
+with mismatch 0 (and the same run with a separate engine at TP 2: the same metrics lines; on
+Qwen3.5 too), and config errors.
 
 One vLLM engine per dtype, prefix caching on (mamba cache mode "align"), chunked prefill
 with a 64-token budget (long prompts split across steps, mixed with decodes), block_size
