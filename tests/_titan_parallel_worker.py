@@ -1,11 +1,12 @@
 """Worker for tests/test_titan_parallel.py, run as
     torchrun --nproc_per_node=N tests/_titan_parallel_worker.py MODE OUT.json
 MODE: fsdp (FSDP = world), tp (TP = world), fsdp_tp (FSDP = 2 x TP = world/2), tp_moe (MoE at TP = world),
-tp_hybrid (the GDN hybrid at TP = world), engine_tp (vLLM at tensor_parallel_size = world
+tp_hybrid (the GDN hybrid at TP = world; tp_q35: Qwen3.5 and Qwen3.5-MoE), engine_tp (vLLM at tensor_parallel_size = world
 vs the trainer at TP = world; it goes last: vLLM's engine shutdown ends the process group),
 trainer (torchtitan's own Trainer with our ModelSpec, FSDP = world, synthetic data),
 det_fsdp (deterministic leaf-tree reduction: 3 AdamW steps at FSDP = world vs FSDP = 1, dense/MoE/hybrid),
-det_tp (the same at FSDP = world/2 x TP = 2 vs one process, tp_leaves > 0; det_tp_dense: dense only),
+det_tp (the same at FSDP = world/2 x TP = 2 vs one process, tp_leaves > 0; det_tp_dense: dense only;
+det_tp_q35: Qwen3.5 and Qwen3.5-MoE),
 det_fsdp_dense (det_fsdp's dense cases, deterministic only: FSDP = 4 on four ranks),
 ranks_tree (leaf_reduction.ranks_tree vs all_gather + tree_sum, world and strided subgroups),
 gather_dp (Ranks.gather_dp vs all_gather_object);
@@ -306,19 +307,24 @@ def hybrid_config():
         linear_conv_kernel_dim=3, full_attention_interval=2)
 
 
-def run_tp_hybrid(res: dict) -> None:
-    """The GDN hybrids (tp_leaves = 4): ours and Qwen3-Next (gated attention, routed experts
-    with a shared expert) at TP = world vs TitanModel at TP = 1 and vs the model file built
+def run_tp_hybrid(res: dict, names: tuple[str, ...] = ("hybrid", "next")) -> None:
+    """The GDN hybrids: ours and Qwen3-Next (gated attention, routed experts with a shared
+    expert) with tp_leaves = 4, Qwen3.5 and Qwen3.5-MoE (unfused GDN projections; 6 value
+    heads: tp_leaves = 2) at TP = world vs TitanModel at TP = 1 and vs the model file built
     directly (= the rollout engine's model), fp32 and bf16, on several batch compositions;
     the meta-init order; gradients through the sharded GDN close to TP = 1."""
-    from titan_rl.models import qwen3_hybrid, qwen3_next
+    from titan_rl.models import qwen3_5, qwen3_5_moe, qwen3_hybrid, qwen3_next
 
     pd = parallel_dims(1, dist.get_world_size())
-    options = ModelOptions(tp_leaves=4)
     seed = int(os.environ.get("TITAN_TEST_SEED", "7"))
-    cases = {"hybrid": ("qwen3_hybrid", "debug_hybrid", hybrid_config(), qwen3_hybrid.build),
-             "next": ("qwen3_next", "debug_qwen3_next", qwen3_next.FLAVORS["debug_qwen3_next"], qwen3_next.build)}
-    for name, (arch, flavor, cfg, build_file) in cases.items():
+    cases = {"hybrid": ("qwen3_hybrid", "debug_hybrid", hybrid_config(), qwen3_hybrid.build, 4),
+             "next": ("qwen3_next", "debug_qwen3_next", qwen3_next.FLAVORS["debug_qwen3_next"], qwen3_next.build, 4),
+             "q35": ("qwen3_5", "debug_qwen35", qwen3_5.FLAVORS["debug_qwen35"], qwen3_5.build, 2),
+             "q35moe": ("qwen3_5_moe", "debug_qwen35_moe", qwen3_5_moe.FLAVORS["debug_qwen35_moe"],
+                        qwen3_5_moe.build, 2)}
+    for name in names:
+        arch, flavor, cfg, build_file, leaves = cases[name]
+        options = ModelOptions(tp_leaves=leaves)
         g = torch.Generator().manual_seed(seed)
         batches = [torch.randint(0, cfg.vocab_size, shape, generator=g) for shape in ((3, 37), (1, 61), (5, 9))]
 
@@ -347,9 +353,13 @@ def run_tp_hybrid(res: dict) -> None:
             res[f"{name}_tp_{tag}_forward_maxdiff"] = diff
             res[f"{name}_tp_{tag}_vs_model_file_equal"] = eq_direct
         gdn = m.model.layers[0].linear_attn
-        res[f"{name}_tp_local_heads"] = [gdn.hk, gdn.hv, int(gdn.in_proj_qkvz.weight.to_local().shape[0])]
-        if name == "next":  # routing varies, so equal logits mean equal experts too
-            res["next_tp_distinct_routes"] = len({tuple(r.tolist()) for r in m.last_own_routes[0]})
+        if hasattr(gdn, "in_proj_qkvz"):
+            res[f"{name}_tp_local_heads"] = [gdn.hk, gdn.hv, int(gdn.in_proj_qkvz.weight.to_local().shape[0])]
+        else:  # in_proj_qkv stays whole; the rank computes its heads' q, k and v rows
+            res[f"{name}_tp_local_heads"] = [gdn.hk, gdn.hv, int(gdn.in_proj_z.weight.to_local().shape[0]),
+                                             sum(r.stop - r.start for r in gdn.tp_qkv_rows)]
+        if name in ("next", "q35moe"):  # routing varies, so equal logits mean equal experts too
+            res[f"{name}_tp_distinct_routes"] = len({tuple(r.tolist()) for r in m.last_own_routes[0]})
 
         # the Trainer's order: meta build -> parallelize -> to_empty -> init_weights
         mm = titan(meta=True)
@@ -655,9 +665,12 @@ def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe",
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
              ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None),
-             ("next", "qwen3_next", "debug_qwen3_next", None)]
+             ("next", "qwen3_next", "debug_qwen3_next", None), ("q35", "qwen3_5", "debug_qwen35", None),
+             ("q35moe", "qwen3_5_moe", "debug_qwen35_moe", None)]
+    # the odd flavors' value heads: 2 x 6 in Qwen3-Next's in_proj_ba, 6 in Qwen3.5's in_proj_b / a
+    odd_leaves = {"next": 4, "q35": 2, "q35moe": 2}
     for tag, arch, flavor, dtype in (case for case in cases if case[0] in tags):
-        leaves = 4 if tag == "next" else DET_TP_LEAVES  # its odd flavor: 2 x 6 value heads in in_proj_ba
+        leaves = odd_leaves.get(tag, DET_TP_LEAVES)
         one = det_train(arch, flavor, solo, True, dtype, tp_leaves=leaves)
         tp = det_train(arch, flavor, mesh["dp"], True, dtype, tp_mesh=mesh["tp"], tp_leaves=leaves)
         res[f"dettp_{tag}_equal"] = all(torch.equal(tp[n], one[n]) for n in one)
@@ -787,6 +800,8 @@ def main() -> int:
         "fsdp_tp": lambda: run_tp(res, dp_shard=2),
         "tp_moe": lambda: run_tp_moe(res),
         "tp_hybrid": lambda: run_tp_hybrid(res),
+        "tp_q35": lambda: run_tp_hybrid(res, ("q35", "q35moe")),
+        "det_tp_q35": lambda: run_det_tp(res, ("q35", "q35moe")),
         "engine_tp": lambda: run_engine_tp(res, os.path.dirname(os.path.abspath(out))),
         "det_fsdp": lambda: run_det_fsdp(res),
         "det_tp": lambda: run_det_tp(res),

@@ -1,8 +1,8 @@
 """qwen3_hybrid (GDN linear attention 3 : 1 full attention): the model against a plain
 fp64 reference, trainer invariance, trainer log-probs == vLLM sampler log-probs bitwise
 (torch.equal; bf16 and fp32) with the recurrent state in vLLM's state cache, an RL run
-with mismatch 0 (and the same run with a separate engine at TP 2: the same metrics lines),
-and config errors.
+with mismatch 0 (and the same run with a separate engine at TP 2: the same metrics lines; on
+Qwen3.5 too), and config errors.
 
 One vLLM engine per dtype, prefix caching on (mamba cache mode "align"), chunked prefill
 with a 64-token budget (long prompts split across steps, mixed with decodes), block_size
@@ -330,15 +330,18 @@ HYBRID_RL = ["--config", "train_configs/rl_debug_hybrid.toml", "--training.steps
              "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false", "--model.tp_leaves=2"]
 
 
-@pytest.fixture(scope="module")
-def hybrid_runs(tmp_path_factory) -> dict:
-    """A short RL run on the hybrid (2 SFT + 2 RL steps), colocated and with a separate engine
-    of TP 2, both at once (one thread each: the suite's 2 cores): name -> (return code, output,
-    metrics lines)."""
+# Qwen3.5 (unfused GDN projections; 6 value heads: tp_leaves = 2), the same short run
+QWEN35_RL = ["--config", "train_configs/rl_debug_qwen35.toml", *HYBRID_RL[2:]]
+
+
+def _colocated_and_separate_tp2(tmp_path_factory, args: list[str]) -> dict:
+    """A short RL run (2 SFT + 2 RL steps), colocated and with a separate engine of TP 2, both
+    at once (one thread each: the suite's 2 cores): name -> (return code, output, metrics
+    lines)."""
     extras = {"colocated": [], "separate_tp2": ["--rollout.placement=separate", "--rollout.engine_tp=2"]}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     dirs = {name: tmp_path_factory.mktemp(f"hybrid_{name}") for name in extras}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "titan_rl.train", "--run-dir", str(dirs[name]), *HYBRID_RL,
+    procs = {name: subprocess.Popen([sys.executable, "-m", "titan_rl.train", "--run-dir", str(dirs[name]), *args,
                                      *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     cwd=os.path.join(os.path.dirname(__file__), ".."))
              for name, extra in extras.items()}
@@ -353,6 +356,11 @@ def hybrid_runs(tmp_path_factory) -> dict:
         lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
         runs[name] = (p.returncode, outs[name], lines)
     return runs
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory) -> dict:
+    return _colocated_and_separate_tp2(tmp_path_factory, HYBRID_RL)
 
 
 def _run(runs: dict, name: str) -> list[dict]:
@@ -379,3 +387,18 @@ def test_a_separate_engine_at_tp_2_writes_the_colocated_metrics(hybrid_runs):
     got = _run(hybrid_runs, "separate_tp2")
     assert [comparable(m) for m in got] == [comparable(m) for m in _run(hybrid_runs, "colocated")]
     assert all(m["weights_checksum_equal"] and m["weight_sync_bytes"] > 0 for m in got if m["phase"] == "rl")
+
+
+def test_a_separate_engine_at_tp_2_on_qwen35_writes_the_colocated_metrics(tmp_path_factory):
+    """Qwen3.5 with a separate engine of TP 2: each vLLM worker keeps in_proj_qkv whole and
+    computes its heads' q, k and v rows (models/common/parallelize.py, UnfusedGdnHeads),
+    in_proj_z / b / a and the recurrent state split by value heads; every metrics line equals
+    the colocated run's (engine TP 1), with zero log-prob mismatch."""
+    from titan_rl.run_dir import comparable
+
+    runs = _colocated_and_separate_tp2(tmp_path_factory, QWEN35_RL)
+    got, want = _run(runs, "separate_tp2"), _run(runs, "colocated")
+    assert [comparable(m) for m in got] == [comparable(m) for m in want]
+    for m in (m for m in got if m["phase"] == "rl"):
+        assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0, m
+        assert m["weights_checksum_equal"] and m["weight_sync_bytes"] > 0

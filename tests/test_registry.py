@@ -81,3 +81,23 @@ def test_a_plan_that_disagrees_with_the_maths_is_refused(monkeypatch):
                         (missing, r"mlp.up_proj is a 'col' Linear the plan does not split")):
         with pytest.raises(ValueError, match=match):
             apply_plan(qwen3.build("debug"), plan, object(), lambda lin, dim: None)
+
+
+def test_qwen35_plan_keeps_in_proj_qkv_whole(monkeypatch):
+    """Qwen3.5's in_proj_qkv (q, then k, then v of all heads: a rank's heads are three row
+    ranges) is neither split by the plan nor left unmentioned: it is named `whole`, and a plan
+    without that is refused like any unsplit 'col' Linear."""
+    import torch.distributed as dist
+
+    from titan_rl.models import qwen3_5
+    from titan_rl.parallel.plan import apply_plan
+
+    model = qwen3_5.build("debug_qwen35")
+    plan = architecture_of(model).tp_plan
+    gdn = plan.resolve(model.model.layers[0])
+    assert sorted(gdn["colwise"]) == sorted(["linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a",
+                                             "mlp.gate_proj", "mlp.up_proj"])
+    assert plan.whole == ("linear_attn.in_proj_qkv",)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # the check runs before any collective
+    with pytest.raises(ValueError, match=r"linear_attn.in_proj_qkv is a 'col' Linear the plan does not split"):
+        apply_plan(model, replace(plan, whole=()), object(), lambda lin, dim: None)

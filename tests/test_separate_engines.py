@@ -62,8 +62,8 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
      r"rollout.max_off_policy_steps = 9: allowed 0 \(synchronous\) to 8 \(the trainer keeps one copy"),
     (["--rollout.placement=separate", "--rollout.engine_tp=3"], r"rollout.engine_tp = 3: allowed 1 or 2"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2"], r"rollout.engine_tp = 2 needs model.tp_leaves"),
-    (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.name=qwen3_5", "--model.flavor=debug_qwen35"],
-     r"rollout.engine_tp = 2: 'qwen3_5' has no TP plan"),
+    (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.name=glm_moe_dsa", "--model.flavor=debug_glm5",
+      "--model.tp_leaves=2"], r"rollout.engine_tp = 2: 'glm_moe_dsa' has no TP plan"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.tp_leaves=2",
       "--quantization.recipe=fp8_rowwise"],
      r"quantization.recipe = 'fp8_rowwise' with rollout.engine_tp = 2: a sharded weight's scales would be taken over "
@@ -74,6 +74,16 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
 def test_separate_placement_keys_are_checked_at_start(overrides, message):
     with pytest.raises(config.ConfigError, match=message):
         config.load("train_configs/rl_debug.toml", overrides)
+
+
+@pytest.mark.parametrize("name, flavor", [("qwen3_5", "debug_qwen35"), ("qwen3_5_moe", "debug_qwen35_moe")])
+def test_qwen35_engine_tp_2_is_accepted(name, flavor):
+    """Qwen3.5's TP plan (the unfused in_proj_qkv computed per rank from the whole weight):
+    engine_tp = 2 passes the start checks with tp_leaves = 2 (its 6 value heads)."""
+    cfg = config.load("train_configs/rl_debug_qwen35.toml", [
+        "--rollout.placement=separate", "--rollout.engine_tp=2", "--model.tp_leaves=2", f"--model.name={name}",
+        f"--model.flavor={flavor}"])
+    assert cfg.rollout.engine_tp == 2
 
 
 def test_an_engine_tp_that_does_not_divide_the_heads_is_refused(tmp_path):

@@ -8,7 +8,8 @@ Exactness claimed and checked with torch.equal:
     tree), vs the model file built directly from the same config and ModelOptions (tp_leaves
     = 8: what the rollout engine builds) and vs TitanModel at TP = 1 (fp32 and bf16).
   * the GDN hybrid at TP = 2 (tp_leaves = 4) vs TitanModel at TP = 1 and the model file
-    (fp32 and bf16), three batch compositions of fresh tokens.
+    (fp32 and bf16), three batch compositions of fresh tokens; Qwen3.5 and Qwen3.5-MoE the
+    same (tp_leaves = 2), and their weights after 3 training steps at TP = 2 vs one process.
   * vLLM at tensor_parallel_size = 2 (dense and hybrid, fp32 and bf16): its recorded
     log-probs vs the model file and vs the trainer at TP = 2.
 Not exact, and asserted as such: TP with tp_leaves = 0 (all-reduce of rank partials) is
@@ -128,6 +129,37 @@ def test_tp2_hybrid_forward_is_bitwise(hybrid_and_engine_tp, name):
     # every parameter gets a gradient, close to TP = 1's (the reduction order differs)
     assert r[f"{name}_tp_grad_missing"] == []
     assert r[f"{name}_tp_grad_maxdiff"] < 1e-5 * max(1.0, r[f"{name}_tp_grad_scale"])
+
+
+@pytest.fixture(scope="module")
+def qwen35_tp(tmp_path_factory) -> dict:
+    """One torchrun launch: Qwen3.5 and Qwen3.5-MoE at TP = 2 (forward, gradients), then 3
+    training steps at TP = 2 vs one process. Fresh seed, printed."""
+    seed = draw_seed()
+    return launch("tp_q35+det_tp_q35", 2, tmp_path_factory.mktemp("q35"), timeout=300,
+                  env_extra={"TITAN_TEST_SEED": str(seed)})
+
+
+@pytest.mark.parametrize("name", ["q35", "q35moe"])
+def test_tp2_qwen35_is_bitwise(qwen35_tp, name):
+    """Qwen3.5 and Qwen3.5-MoE at TP = 2 with tp_leaves = 2 (their 6 value heads): the unfused
+    in_proj_qkv stays whole and each rank computes its heads' q, k and v rows as whole column
+    blocks; in_proj_z / b / a split by value heads. Logits == TitanModel at TP = 1 == the model
+    file the engine builds (fp32 and bf16, three batch compositions of fresh tokens), and the
+    weights after 3 clipped AdamW steps at TP = 2 torch.equal one process's."""
+    r = qwen35_tp
+    # a rank: 1 key head, 3 value heads (z rows 3 x 16), q + k + v rows 32 + 32 + 48
+    assert r[f"{name}_tp_local_heads"] == [1, 3, 48, 112]
+    for tag in ("fp32", "bf16"):
+        assert r[f"{name}_tp_{tag}_forward_equal"], r[f"{name}_tp_{tag}_forward_maxdiff"]
+        assert r[f"{name}_tp_{tag}_vs_model_file_equal"]
+    assert r[f"{name}_tp_meta_init_forward_equal"]
+    if name == "q35moe":
+        assert r["q35moe_tp_distinct_routes"] > 2  # routing varies, so equal logits mean equal experts
+    assert r[f"{name}_tp_grad_missing"] == []
+    assert r[f"{name}_tp_grad_maxdiff"] < 1e-5 * max(1.0, r[f"{name}_tp_grad_scale"])
+    assert r[f"dettp_{name}_equal"], (r[f"dettp_{name}_maxdiff"], r[f"dettp_{name}_differ"])
+    assert r["dettp_min_clip_scale"] < 1  # clipping was active
 
 
 def test_engine_tp2_equals_trainer_tp2_and_the_model_file(hybrid_and_engine_tp):

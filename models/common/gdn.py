@@ -93,8 +93,9 @@ class GdnConfig:
                 "in_proj_ba (2*linear_num_value_heads)": 2 * hv,
                 "linear_num_value_heads*linear_value_head_dim": hv * dv,
             }
-        return {"in_proj_qkv (2*linear_num_key_heads*linear_key_head_dim + linear_num_value_heads*linear_value_head_dim)":
-                self.linear_conv_dim, "linear_num_value_heads": hv, "linear_num_value_heads*linear_value_head_dim": hv * dv}
+        # in_proj_qkv's q, k and v rows are column blocks each (Qwen35GatedDeltaNet.project_qkv)
+        return {"linear_num_key_heads*linear_key_head_dim": self.linear_num_key_heads * self.linear_key_head_dim,
+                "linear_num_value_heads": hv, "linear_num_value_heads*linear_value_head_dim": hv * dv}
 
     def check_layer_types(self, layer_types, n_layers: int) -> None:
         """A hybrid's layer_types: one entry per layer, each "linear_attention" or "full_attention"."""
@@ -260,7 +261,24 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         self.in_proj_a = Linear(e, self.hv, ops, "col")
 
     def project(self, x):
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return self.project_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def qkv_parts(self, w: torch.Tensor) -> list[torch.Tensor]:
+        """in_proj_qkv's weight `w` cut into its q, k and v rows (of the heads this layer
+        computes)."""
+        qk = self.hk * self.dk
+        return list(w.split([qk, qk, self.hv * self.dv]))
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """q | k | v of all heads. With tp_leaves = L > 0 the q, k and v rows are each L
+        column blocks (not in_proj_qkv's rows as one run of L blocks): a tensor-parallel
+        rank's heads are a block range of each of the three, so it computes whole blocks
+        of the same widths (UnfusedGdnHeads.project_qkv) and gets these bits."""
+        lin = self.in_proj_qkv
+        if not self.ops.tp_leaves:
+            return lin(x)
+        x, col = lin.operand_input(x), self.ops.linear_for("col")
+        return torch.cat([col(x, w) for w in self.qkv_parts(lin.operand_weight())], -1)
 
 
 class HybridDecoderLayer(nn.Module):

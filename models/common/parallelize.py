@@ -21,7 +21,9 @@ depend on how many heads a call holds. The small per-head parameters (conv weigh
 dt_bias) stay replicated and each rank takes its heads' slice through copy_to_tp (identity
 forward, all-reduce of the ranks' gradients, zero outside their heads: the sum is exact).
 The gated norm's weight is shared by all heads: the q_norm rule above (a fixed tree over
-heads with tp_leaves > 0).
+heads with tp_leaves > 0). Qwen3.5's unfused projections: in_proj_z / b / a are per value
+head (split by output rows); in_proj_qkv holds q, then k, then v of all heads, so it stays
+whole and each rank computes its heads' three row ranges (UnfusedGdnHeads).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_rl.parallel.plan import TPPlan, reclass
-from titan_rl.parallel.tp_linear import copy_to_tp, gather_rows
+from titan_rl.parallel.tp_linear import column_parallel_linear, copy_to_tp, gather_rows
 
 
 class HeadNorm(nn.Module):
@@ -112,8 +114,42 @@ GDN = {"linear_attn.in_proj_qkvz": "colwise", "linear_attn.in_proj_ba": "colwise
 GDN_HEADS = {"self_attn": shard_attention_heads, "linear_attn": shard_gdn_heads}
 GDN_HEAD_COUNTS = (*HEAD_COUNTS, "linear_num_key_heads")
 
-# The unfused GDN projections' (Qwen3.5, Qwen3.5-MoE) reason for having no TP plan yet:
-# in_proj_qkv holds q, then k, then v of all heads, so a rank's heads are three separate row
-# ranges of it, not one shard (Qwen3-Next's grouped in_proj_qkvz is). FSDP works.
-UNFUSED_GDN_NO_TP_REASON = ("in_proj_qkv holds q, k and v of all heads one after the other, so a rank's heads are "
-                            "three separate row ranges; splitting it is not implemented")
+
+class UnfusedGdnHeads(GdnHeads):
+    """Re-classing mixin for Qwen3.5's GDN layer under TP. in_proj_qkv holds q, then k, then
+    v of all heads, so a rank's heads are three row ranges of it, not one shard: the weight
+    stays whole on every rank (the checkpoint, the HF export and the engine's weight sync
+    keep transformers' layout) and each rank computes its three ranges as column-parallel
+    pieces (the cost: every rank holds the whole weight, as FSDP alone would). The weight
+    passes through copy_to_tp: each rank's gradient is zero outside its rows, so the
+    all-reduce sum is exact."""
+
+    tp_qkv_rows: tuple[slice, slice, slice] = (slice(None),) * 3
+
+    def project_qkv(self, x):
+        lin, g, L = self.in_proj_qkv, self.tp_group, self.ops.tp_leaves
+        w = copy_to_tp(lin.operand_weight(), g)
+        x = lin.operand_input(x)
+        parts = [w[rows] for rows in self.tp_qkv_rows]
+        if L:  # the model file's blocks of q, k and v: this rank's are whole ones
+            return torch.cat([column_parallel_linear(x, p, g, L) for p in parts], -1)
+        return self.ops.linear(copy_to_tp(x, g), torch.cat(parts))
+
+
+def shard_unfused_gdn_heads(gdn: nn.Module, group) -> None:
+    """Make a Qwen3.5 GDN layer compute this TP rank's key heads and their value heads."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    qk, v = gdn.hk * gdn.dk // tp, gdn.hv * gdn.dv // tp
+    rows = (slice(rank * qk, (rank + 1) * qk), slice(tp * qk + rank * qk, tp * qk + (rank + 1) * qk),
+            slice(2 * tp * qk + rank * v, 2 * tp * qk + (rank + 1) * v))
+    shard_gdn_heads(gdn, group)
+    reclass(gdn, UnfusedGdnHeads)
+    gdn.tp_qkv_rows = rows
+
+
+# Qwen3.5's unfused GDN projections: in_proj_z / in_proj_b / in_proj_a are per value head
+# (split by output rows); in_proj_qkv stays whole (UnfusedGdnHeads says why).
+UNFUSED_GDN = {"linear_attn.in_proj_z": "colwise", "linear_attn.in_proj_b": "colwise",
+               "linear_attn.in_proj_a": "colwise", "linear_attn.out_proj": "rowwise"}
+UNFUSED_GDN_WHOLE = ("linear_attn.in_proj_qkv",)
+UNFUSED_GDN_HEADS = {"self_attn": shard_attention_heads, "linear_attn": shard_unfused_gdn_heads}

@@ -1,7 +1,14 @@
-"""Qwen3.5 has no tensor-parallel plan yet: its unfused GDN projection in_proj_qkv holds q,
-then k, then v of all heads, so a rank's heads are three separate row ranges of it, not one
-shard (Qwen3-Next's grouped in_proj_qkvz is). FSDP works; TP > 1 is refused with NO_TP_REASON."""
+"""Qwen3.5's tensor-parallel plan: the gated attention split like Qwen3-Next's (q_proj's rows
+hold each head's query and gate together), the dense MLP, and the GDN layers split by whole
+key heads with the unfused projections: in_proj_z / b / a by output rows, in_proj_qkv kept
+whole with each rank computing its heads' q, k and v rows (models/common/parallelize.py,
+UnfusedGdnHeads)."""
 
-from titan_rl.models.common.parallelize import UNFUSED_GDN_NO_TP_REASON as NO_TP_REASON
+from __future__ import annotations
 
-__all__ = ["NO_TP_REASON"]
+from titan_rl.models.common.parallelize import (ATTENTION, GDN_HEAD_COUNTS, MLP, UNFUSED_GDN, UNFUSED_GDN_HEADS,
+                                                UNFUSED_GDN_WHOLE)
+from titan_rl.parallel.plan import TPPlan
+
+TP_PLAN = TPPlan(layer={**ATTENTION, **UNFUSED_GDN, **MLP}, heads=UNFUSED_GDN_HEADS, divides=GDN_HEAD_COUNTS,
+                 whole=UNFUSED_GDN_WHOLE)

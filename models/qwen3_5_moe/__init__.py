@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE (text): config.py, model.py, parallelize.py (no TP plan yet), spec.py."""
+"""Qwen3.5-MoE (text): config.py, model.py, parallelize.py (its TP plan), spec.py."""
 
 from titan_rl.models.qwen3_5_moe.config import FLAVORS, Qwen35MoeConfig
 from titan_rl.models.qwen3_5_moe.model import Qwen35MoeForCausalLM

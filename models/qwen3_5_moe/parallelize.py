@@ -1,6 +1,13 @@
-"""Qwen3.5-MoE has no tensor-parallel plan yet, for Qwen3.5's reason: the unfused GDN
-projections (models/common/parallelize.py, UNFUSED_GDN_NO_TP_REASON)."""
+"""Qwen3.5-MoE's tensor-parallel plan: Qwen3.5's attention and unfused GDN split (models/qwen3_5/
+parallelize.py), every expert and the shared expert split like the dense MLP; the router and
+the shared expert's one-output gate stay replicated, as in Qwen3-Next's."""
 
-from titan_rl.models.common.parallelize import UNFUSED_GDN_NO_TP_REASON as NO_TP_REASON
+from __future__ import annotations
 
-__all__ = ["NO_TP_REASON"]
+from titan_rl.models.common.parallelize import (ATTENTION, EXPERTS, GDN_HEAD_COUNTS, UNFUSED_GDN, UNFUSED_GDN_HEADS,
+                                                UNFUSED_GDN_WHOLE)
+from titan_rl.models.qwen3_next.parallelize import SHARED_EXPERT
+from titan_rl.parallel.plan import TPPlan
+
+TP_PLAN = TPPlan(layer={**ATTENTION, **UNFUSED_GDN, **EXPERTS, **SHARED_EXPERT}, heads=UNFUSED_GDN_HEADS,
+                 divides=GDN_HEAD_COUNTS, whole=UNFUSED_GDN_WHOLE)

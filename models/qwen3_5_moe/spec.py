@@ -6,12 +6,12 @@ from titan_rl.models.arch_spec import architecture_spec
 from titan_rl.models.common.next import text_key
 from titan_rl.models.qwen3_5_moe.config import FLAVORS, Qwen35MoeConfig
 from titan_rl.models.qwen3_5_moe.model import Qwen35MoeForCausalLM
-from titan_rl.models.qwen3_5_moe.parallelize import NO_TP_REASON
+from titan_rl.models.qwen3_5_moe.parallelize import TP_PLAN
 
 SPEC = architecture_spec(
     "qwen3_5_moe", Qwen35MoeForCausalLM, Qwen35MoeConfig, FLAVORS,
     vllm_architecture="TitanQwen3_5MoeForCausalLM", hf_architecture="Qwen3_5MoeForCausalLM",
     hf_aliases=("Qwen3_5MoeForConditionalGeneration",),  # its text model
     checkpoint_key=text_key, vllm_class="titan_rl.vllm.hybrid:TitanHybridForCausalLM",
-    tp_plan=None, no_tp_reason=NO_TP_REASON, recurrent_state=True, moe=True)
+    tp_plan=TP_PLAN, recurrent_state=True, moe=True)
 build = SPEC.build

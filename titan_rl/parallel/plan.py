@@ -42,11 +42,14 @@ class TPPlan:
     layer's module paths (fnmatch; a pattern that matches nothing in a layer, e.g. the
     other mixer of a hybrid, is skipped). `heads`: {pattern: hook(mixer, group)} making a
     token mixer compute its rank's heads. `divides`: the config fields (head counts) the
-    TP degree must divide."""
+    TP degree must divide. `whole`: patterns of "col"/"row" Linears that stay whole on
+    every rank because their head hook computes the rank's share from the full weight
+    (a rank's rows that are not one contiguous range, e.g. Qwen3.5's in_proj_qkv)."""
 
     layer: dict[str, str]
     heads: dict[str, Callable[[nn.Module, object], None]] = field(default_factory=dict)
     divides: tuple[str, ...] = ()
+    whole: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = {p: s for p, s in self.layer.items() if s not in STYLES}
@@ -145,7 +148,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, group, shard_weight: Callable[[nn
         paths = plan.resolve(layer)
         planned = set(paths["colwise"]) | set(paths["rowwise"])
         for path, mod in layer.named_modules():
-            if _kind(mod) in ("col", "row") and path not in planned:
+            if _kind(mod) in ("col", "row") and path not in planned and not any(fnmatchcase(path, p)
+                                                                              for p in plan.whole):
                 raise ValueError(f"TP plan: {path} is a {mod.kind!r} Linear the plan does not split")
         for style, (kind, dim) in STYLES.items():
             mixin = ColwiseLinear if style == "colwise" else RowwiseLinear
