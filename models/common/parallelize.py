@@ -71,6 +71,9 @@ DENSE_TP_PLAN = TPPlan(layer={**ATTENTION, **MLP}, heads={"self_attn": shard_att
 
 EXPERTS = {"mlp.experts.*.gate_proj": "colwise", "mlp.experts.*.up_proj": "colwise",
            "mlp.experts.*.down_proj": "rowwise"}
+# Qwen3-Next's and Qwen3.5-MoE's shared expert, split like the dense MLP (its one-output gate stays replicated)
+SHARED_EXPERT = {"mlp.shared_expert.gate_proj": "colwise", "mlp.shared_expert.up_proj": "colwise",
+                 "mlp.shared_expert.down_proj": "rowwise"}
 
 
 class GdnHeads(nn.Module):

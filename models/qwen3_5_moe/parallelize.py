@@ -4,9 +4,8 @@ the shared expert's one-output gate stay replicated, as in Qwen3-Next's."""
 
 from __future__ import annotations
 
-from titan_rl.models.common.parallelize import (ATTENTION, EXPERTS, GDN_HEAD_COUNTS, UNFUSED_GDN, UNFUSED_GDN_HEADS,
-                                                UNFUSED_GDN_WHOLE)
-from titan_rl.models.qwen3_next.parallelize import SHARED_EXPERT
+from titan_rl.models.common.parallelize import (ATTENTION, EXPERTS, GDN_HEAD_COUNTS, SHARED_EXPERT, UNFUSED_GDN,
+                                                UNFUSED_GDN_HEADS, UNFUSED_GDN_WHOLE)
 from titan_rl.parallel.plan import TPPlan
 
 TP_PLAN = TPPlan(layer={**ATTENTION, **UNFUSED_GDN, **EXPERTS, **SHARED_EXPERT}, heads=UNFUSED_GDN_HEADS,

@@ -5,10 +5,7 @@ and the shared expert's one-output gate stay replicated (models/common/paralleli
 
 from __future__ import annotations
 
-from titan_rl.models.common.parallelize import ATTENTION, EXPERTS, GDN, GDN_HEAD_COUNTS, GDN_HEADS
+from titan_rl.models.common.parallelize import ATTENTION, EXPERTS, GDN, GDN_HEAD_COUNTS, GDN_HEADS, SHARED_EXPERT
 from titan_rl.parallel.plan import TPPlan
-
-SHARED_EXPERT = {"mlp.shared_expert.gate_proj": "colwise", "mlp.shared_expert.up_proj": "colwise",
-                 "mlp.shared_expert.down_proj": "rowwise"}
 
 TP_PLAN = TPPlan(layer={**ATTENTION, **GDN, **EXPERTS, **SHARED_EXPERT}, heads=GDN_HEADS, divides=GDN_HEAD_COUNTS)
