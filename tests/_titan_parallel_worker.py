@@ -41,6 +41,7 @@ from titan_rl.titan.model import load_full_state_dict  # noqa: E402
 from titan_rl.titan.parallelize import apply_fsdp, parallelize_fn  # noqa: E402
 from titan_rl.titan.spec import model_config  # noqa: E402
 from titan_rl.models.options import ModelOptions  # noqa: E402
+from titan_rl.models.common import choice_points  # noqa: E402
 
 SEED = 1234
 B, L = 2, 40  # L not a multiple of the attention block: exercises the padding
@@ -274,11 +275,11 @@ def run_tp_moe(res: dict) -> None:
         parallelize_fn(m, parallel_dims=pd)
         with torch.no_grad():
             want = direct(tok)
-            want_routes = [r.clone() for r in direct.last_routes]
+            want_routes = [r.clone() for r in choice_points.used(direct, "routes")]
             got = m(tok)
         res[f"moe_tp_{tag}_forward_equal"] = torch.equal(got, want)
         res[f"moe_tp_{tag}_forward_maxdiff"] = maxdiff(got, want)
-        res[f"moe_tp_{tag}_routes_equal"] = all(torch.equal(a, b) for a, b in zip(m.last_routes, want_routes))
+        res[f"moe_tp_{tag}_routes_equal"] = all(torch.equal(a, b) for a, b in zip(choice_points.used(m, "routes"), want_routes))
         res[f"moe_tp_{tag}_distinct_routes"] = len({tuple(r) for r in want_routes[0].tolist()})
     # replay under TP: a perturbed router still uses the forced experts
     g = torch.Generator().manual_seed(SEED + 1)
@@ -289,10 +290,10 @@ def run_tp_moe(res: dict) -> None:
             w = layer.mlp.gate.weight
             w = w.to_local() if isinstance(w, DTensor) else w  # FSDP over 1 rank: the full weight
             w.add_(5 * torch.randn(w.shape, generator=g).to(w.dtype))
-        m.set_route_override(forced)
+        choice_points.force(m, "routes", forced)
         m(tok)
-    res["moe_tp_replay_forced"] = all(torch.equal(a, b) for a, b in zip(m.last_routes, forced))
-    m.set_route_override(None)
+    res["moe_tp_replay_forced"] = all(torch.equal(a, b) for a, b in zip(choice_points.used(m, "routes"), forced))
+    choice_points.force(m, "routes", None)
 
 
 def hybrid_config():
@@ -359,7 +360,7 @@ def run_tp_hybrid(res: dict, names: tuple[str, ...] = ("hybrid", "next")) -> Non
             res[f"{name}_tp_local_heads"] = [gdn.hk, gdn.hv, int(gdn.in_proj_z.weight.to_local().shape[0]),
                                              sum(r.stop - r.start for r in gdn.tp_qkv_rows)]
         if name in ("next", "q35moe"):  # routing varies, so equal logits mean equal experts too
-            res[f"{name}_tp_distinct_routes"] = len({tuple(r.tolist()) for r in m.last_own_routes[0]})
+            res[f"{name}_tp_distinct_routes"] = len({tuple(r.tolist()) for r in choice_points.own(m, "routes")[0]})
 
         # the Trainer's order: meta build -> parallelize -> to_empty -> init_weights
         mm = titan(meta=True)

@@ -25,6 +25,7 @@ from titan_rl.hf_reference import hf_model  # noqa: E402
 from titan_rl.kernels.indexer.reference import index_scores_reference  # noqa: E402
 from titan_rl.metrics import canonical_sets  # noqa: E402
 from titan_rl.parity import main as parity_main  # noqa: E402
+from titan_rl.models.common import choice_points  # noqa: E402
 
 CFG = "train_configs/debug_glm5.toml"
 _both_refuse = partial(both_refuse, "train_configs/rl_debug_glm5.toml", CFG)
@@ -104,10 +105,10 @@ def test_forward_matches_transformers_within_fp32_rounding(tmp_path, rng, seed, 
     ref, sets = _hf_selections(hf, toks)
     seen, hooks = _indexer_inputs(ours)
     with torch.no_grad():
-        ours.set_index_override(sets)
+        choice_points.force(ours, "indices", sets)
         forced = ours(toks)
-        own = [s.long() for s in ours.last_own_indices]
-        ours.set_index_override(None)
+        own = [s.long() for s in choice_points.own(ours, "indices")]
+        choice_points.force(ours, "indices", None)
     for h in hooks:
         h.remove()
     err = float((forced - ref).abs().max()) / float(ref.abs().max())
@@ -270,9 +271,9 @@ def test_the_indexer_loss_is_the_kl_to_the_attention_and_training_lowers_it(rng)
     m(toks)
     for h in hooks:
         h.remove()
-    ref = _indexer_loss_reference(attn, seen["x"], seen["pos"], m.last_indices[0].long())
+    ref = _indexer_loss_reference(attn, seen["x"], seen["pos"], choice_points.used(m, "indices")[0].long())
     assert abs(float(seen["loss"]) - ref) <= 1e-5 * max(1.0, ref), (float(seen["loss"]), ref)
-    m.set_index_override([s.long() for s in m.last_indices])
+    choice_points.force(m, "indices", [s.long() for s in choice_points.used(m, "indices")])
     opt = torch.optim.AdamW([p for n, p in m.named_parameters() if _indexer(n)], lr=2e-3)
     losses = []
     for _ in range(8):
@@ -319,9 +320,9 @@ def test_a_replayed_set_with_positions_a_row_cannot_see_is_refused(rng):
     toks = torch.randint(2, 997, (1, 30), generator=rng)
     with torch.no_grad():
         m(toks)
-        sets = [s.long().clone() for s in m.last_own_indices]
+        sets = [s.long().clone() for s in choice_points.own(m, "indices")]
     sets[1][4, 1] = 7  # position 4 would attend to position 7
-    m.set_index_override(sets)
+    choice_points.force(m, "indices", sets)
     with pytest.raises(ValueError, match=r"layer 1: replayed key set \[0, 7, .* of position 4 is not ascending"):
         with torch.no_grad():
             m(toks)

@@ -29,6 +29,7 @@ from titan_rl.vllm.dsa import TitanDsaForCausalLM  # noqa: E402
 from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights  # noqa: E402
 from titan_rl.vllm.indices import capture_indices  # noqa: E402
 from titan_rl.vllm.routes import capture_routes  # noqa: E402
+from titan_rl.models.common import choice_points  # noqa: E402
 
 V = 997
 
@@ -69,8 +70,8 @@ def _trainer_sets(trainer, rollout):
     batch = rollout.batch(0)
     with torch.no_grad():
         logp = log_softmax_fp32(trainer(batch))
-    own = torch.stack(trainer.last_own_indices, 1).view(*batch.shape, len(trainer.last_own_indices), -1)
-    routes = torch.stack(trainer.last_own_routes, 1).view(*batch.shape, len(trainer.last_own_routes), -1)
+    own = torch.stack(choice_points.own(trainer, "indices"), 1).view(*batch.shape, len(choice_points.own(trainer, "indices")), -1)
+    routes = torch.stack(choice_points.own(trainer, "routes"), 1).view(*batch.shape, len(choice_points.own(trainer, "routes")), -1)
     return logp, own, routes
 
 
@@ -148,10 +149,10 @@ def test_replay_forces_the_recorded_sets_on_a_perturbed_indexer(setup, rng):
     _, own, _ = _trainer_sets(bent, rollout)
     assert index_disagreement(sets[valid], own[valid]) > 0.05  # the perturbation does change the sets
     flat = sets.reshape(-1, *sets.shape[2:])
-    bent.set_index_override([flat[:, layer] for layer in range(flat.shape[1])])
+    choice_points.force(bent, "indices", [flat[:, layer] for layer in range(flat.shape[1])])
     logp, own_replayed, _ = _trainer_sets(bent, rollout)
-    used = torch.stack(bent.last_indices, 1).view(*own.shape)
-    bent.set_index_override(None)
+    used = torch.stack(choice_points.used(bent, "indices"), 1).view(*own.shape)
+    choice_points.force(bent, "indices", None)
     assert torch.equal(used[valid].long(), sets[valid].long())
     assert index_disagreement(sets[valid], own_replayed[valid]) > 0.05  # its own choice is still reported apart
     for i in range(len(rollout)):
@@ -173,8 +174,8 @@ def _rl_score(model, rollout, index_selection: str, router_replay: str) -> torch
         with torch.no_grad():
             pi = RLTrainer._score(SimpleNamespace(rl=rl, model=model), b, range(len(rollout)), None)
     finally:
-        model.set_index_override(None)
-        model.set_route_override(None)
+        choice_points.force(model, "indices", None)
+        choice_points.force(model, "routes", None)
     return (pi[b.mask].double() - b.mu[b.mask].double()).abs().max()
 
 

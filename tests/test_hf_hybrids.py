@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from titan_rl.checkpoint import load_hf_folder, save_hf_folder
 from titan_rl.hf_reference import ARCHS, classes, hf_model
+from titan_rl.models.common import choice_points
 
 ATOL = 5e-5
 
@@ -60,16 +61,16 @@ def _compare(ours, hf, tokens):
         got = ours(tokens)
     if routes:
         k = routes[0].shape[1]
-        own = [r.long() for r in ours.last_own_routes]
+        own = [r.long() for r in choice_points.own(ours, "routes")]
         for layer, (theirs, p) in enumerate(zip(routes, probs)):
             top = p.topk(k + 1, -1).values
             near_tie = (top[:, k - 1] - top[:, k]) < 1e-5
             same = (own[layer].sort(-1).values == theirs.sort(-1).values).all(-1)
             assert bool((same | near_tie).all()), f"layer {layer}: other experts without a near tie"
-        ours.set_route_override([r.to(torch.int16) for r in routes])
+        choice_points.force(ours, "routes", [r.to(torch.int16) for r in routes])
         with torch.no_grad():
             got = ours(tokens)
-        ours.set_route_override(None)
+        choice_points.force(ours, "routes", None)
     diff = (got - want).abs().max().item()
     assert diff <= ATOL, f"max |ours - transformers| = {diff:.3g} > {ATOL}"
     assert want.std().item() > 1000 * ATOL  # the logits carry signal well above the tolerance

@@ -16,6 +16,7 @@ from titan_rl.dtypes import DTYPES  # noqa: E402
 from titan_rl.registry import get_architecture  # noqa: E402
 from titan_rl.vllm.engine import EngineSettings, engine_model, make_llm, update_weights  # noqa: E402
 from titan_rl.vllm.hybrid import TitanHybridForCausalLM  # noqa: E402
+from titan_rl.models.common import choice_points  # noqa: E402
 
 CASES = [(arch, flavor, dtype) for arch, flavor in [("qwen3_next", "debug_qwen3_next"), ("qwen3_5", "debug_qwen35"),
                                                    ("qwen3_5_moe", "debug_qwen35_moe")]
@@ -109,15 +110,15 @@ def test_moe_routes_are_recorded_and_replay_changes_nothing(setup, rng):
     batch = rollout.batch(0)
     with torch.no_grad():
         plain = trainer(batch)
-        own = torch.stack(trainer.last_own_routes, 1)
+        own = torch.stack(choice_points.own(trainer, "routes"), 1)
         routes = rollout.padded_routes()
         valid = routes[:, :, 0, 0] >= 0
         assert valid.sum() > 0 and own.shape[-1] == routes.shape[-1]
         own = own.view(*routes.shape)
         assert torch.equal(own[valid].long().sort(-1).values, routes[valid].long().sort(-1).values)
         flat = routes.reshape(-1, *routes.shape[2:])
-        trainer.set_route_override([flat[:, layer] for layer in range(flat.shape[1])])
+        choice_points.force(trainer, "routes", [flat[:, layer] for layer in range(flat.shape[1])])
         replayed = trainer(batch)
-        trainer.set_route_override(None)
+        choice_points.force(trainer, "routes", None)
     assert torch.equal(replayed, plain)  # exact: the router already chose the engine's experts
     assert len({tuple(r) for r in routes[valid][:, 0].tolist()}) > 2  # routing varies

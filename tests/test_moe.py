@@ -16,6 +16,7 @@ from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_expert
 from titan_rl.kernels.moe.reference import moe_experts_reference, router_topk_reference
 from titan_rl.models import qwen3_moe
 from titan_rl.models.options import ModelOptions
+from titan_rl.models.common import choice_points
 
 # Measured max |torch_impl - fp64 reference| (H=64, I=32, |out| ~ 1): router weights
 # 2.4e-6 over 300 seeds with the oneDNN GEMM (the logits of randn x randn over H = 64 reach
@@ -128,7 +129,7 @@ def test_model_logits_row_invariant(rng):
     tokens = torch.randint(0, model.cfg.vocab_size, (4, 37), generator=rng)
     with torch.no_grad():
         full = model(tokens)
-        routes = [r.clone() for r in model.last_routes]
+        routes = [r.clone() for r in choice_points.used(model, "routes")]
         assert len({tuple(r) for r in routes[0].tolist()}) > 2, "routing should vary across tokens"
         for b in (0, 3):
             assert torch.equal(model(tokens[b : b + 1])[0], full[b]), f"row {b} alone differs"
@@ -145,20 +146,20 @@ def test_route_override_forces_experts(rng):
               for _ in range(model.cfg.num_hidden_layers)]
     with torch.no_grad():
         model(tokens)
-        natural = [r.clone() for r in model.last_routes]
-        model.set_route_override(forced)
+        natural = [r.clone() for r in choice_points.used(model, "routes")]
+        choice_points.force(model, "routes", forced)
         ref = model(tokens)
-        assert all(torch.equal(a, b) for a, b in zip(model.last_routes, forced))
+        assert all(torch.equal(a, b) for a, b in zip(choice_points.used(model, "routes"), forced))
         for layer in model.model.layers:  # a very different router: experts stay the forced ones
             layer.mlp.gate.weight.add_(torch.randn(layer.mlp.gate.weight.shape, generator=rng) * 5)
         out = model(tokens)
-        assert all(torch.equal(a, b) for a, b in zip(model.last_routes, forced))
+        assert all(torch.equal(a, b) for a, b in zip(choice_points.used(model, "routes"), forced))
         assert not torch.equal(out, ref)  # the weights follow the (changed) router
-        model.set_route_override(None)
+        choice_points.force(model, "routes", None)
         model(tokens)
-        assert any(not torch.equal(a, b) for a, b in zip(model.last_routes, natural))
+        assert any(not torch.equal(a, b) for a, b in zip(choice_points.used(model, "routes"), natural))
     with pytest.raises(ValueError, match="layers"):
-        model.set_route_override(forced[:1])
+        choice_points.force(model, "routes", forced[:1])
 
 
 def test_compact_routes_and_aux_loss():
@@ -179,7 +180,7 @@ def test_model_backward_and_aux_loss_grad(rng):
     (logits.logsumexp(-1).mean() + model.cfg.router_aux_loss_coef * model.aux_loss).backward()
     gate = model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0
-    used = model.last_routes[0].long().unique()
+    used = choice_points.used(model, "routes")[0].long().unique()
     assert model.model.layers[0].mlp.experts[int(used[0])].down_proj.weight.grad is not None
 
 

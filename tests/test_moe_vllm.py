@@ -24,6 +24,7 @@ from titan_rl.metrics import expert_disagreement  # noqa: E402
 from titan_rl.models import qwen3_moe  # noqa: E402
 from titan_rl.vllm.engine import EngineSettings, make_llm  # noqa: E402
 from titan_rl.vllm.routes import capture_routes  # noqa: E402
+from titan_rl.models.common import choice_points  # noqa: E402
 
 
 def _weights(seed: int) -> qwen3_moe.Qwen3MoeForCausalLM:
@@ -62,7 +63,7 @@ def _trainer_routes(trainer, seqs):
     for i, s in enumerate(seqs):
         batch[i, : len(s)] = torch.tensor(s)
     trainer(batch)
-    own = torch.stack(trainer.last_routes, 1).view(len(seqs), L, len(trainer.last_routes), -1)
+    own = torch.stack(choice_points.used(trainer, "routes"), 1).view(len(seqs), L, len(choice_points.used(trainer, "routes")), -1)
     return [own[i, : len(s) - 1] for i, s in enumerate(seqs)]
 
 
@@ -142,13 +143,13 @@ def test_replay_forces_recorded_experts_on_a_perturbed_router(setup, rng):
     for i, (_, r, _) in enumerate(res):
         forced[i, : r.shape[0]] = r.to(torch.int16)
     flat = forced.view(len(seqs) * L, *recorded.shape[1:])
-    trainer.set_route_override([flat[:, layer] for layer in range(flat.shape[1])])
+    choice_points.force(trainer, "routes", [flat[:, layer] for layer in range(flat.shape[1])])
     used = _trainer_routes(trainer, seqs)
     for (_, r, _), u in zip(res, used):
         assert torch.equal(u, r)
     # the router's own choice is still reported apart (it is what disagreement measures)
     assert expert_disagreement(torch.cat([o[: r.shape[0]] for o, (_, r, _) in zip(
-        [torch.stack(trainer.last_own_routes, 1).view(len(seqs), L, *recorded.shape[1:])[i] for i in range(len(seqs))],
+        [torch.stack(choice_points.own(trainer, "routes"), 1).view(len(seqs), L, *recorded.shape[1:])[i] for i in range(len(seqs))],
         res)]), recorded) > 0.05
 
 

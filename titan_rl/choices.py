@@ -10,9 +10,10 @@ Three kinds, each declared once below:
   indices    the key positions each sparse-attention indexer selected (GLM-5; always recorded,
              replayed with rollout.index_selection = "replay"); trained with the indexer loss
 
-A kind names its engine capture (titan_rl.vllm), when a run records and replays it, the
-model's replay override and own-choice attribute, its disagreement metric, its bytes per
-sampled token and its auxiliary loss. An architecture lists its kinds in its spec
+A kind names its engine capture (titan_rl.vllm), when a run records and replays it, whether
+the model's layers make it (then they hold choice points of the kind's name,
+models/common/choice_points.py, through which both engines read it and the trainer replays
+it), its disagreement metric, its bytes per sampled token and its auxiliary loss. An architecture lists its kinds in its spec
 (`ArchitectureSpec.choice_kinds`); `RunChoices` is one run's set, which the trainer asks
 for captures, metrics and auxiliary losses, and `replay` forces a batch's records on the model.
 """
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 
 from titan_rl.metrics import expert_disagreement, index_disagreement
+from titan_rl.models.common import choice_points
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,7 @@ class ChoiceKind:
     replayed: Callable  # cfg -> the trainer's forward takes the engine's record
     bytes_metric: str  # the step line's entry of the record's size
     bytes_per_token: Callable  # (rollout, cfg) -> that size per sampled token
-    override: str = ""  # the model's method forcing per-layer choices on its next forwards ("": none)
-    own: str = ""  # the model's attribute: its own per-layer choices in the last forward
+    in_model: bool = False  # made by the model's layers, at choice points named `name`
     disagreement: str = ""  # the metric of the engine's record against the trainer's own choices
     measure: Callable | None = None  # titan_rl.metrics' function of it
     aux_loss: str = ""  # the model's attribute (and the metric): the last forward's auxiliary loss
@@ -61,7 +62,7 @@ KINDS = {k.name: k for k in (
                # recorded even without replay: the disagreement is measured
                recorded=lambda cfg: True, replayed=lambda cfg: cfg.rollout.router_replay == "replay",
                bytes_metric="route_bytes_per_token", bytes_per_token=lambda r, cfg: r.route_bytes_per_token,
-               override="set_route_override", own="last_own_routes", disagreement="expert_disagreement",
+               in_model=True, disagreement="expert_disagreement",
                measure=expert_disagreement, aux_loss="aux_loss",
                aux_coef=lambda model, cfg: model.cfg.router_aux_loss_coef),
     ChoiceKind("indices", "indices", "titan_rl.vllm.indices:capture_indices",
@@ -71,7 +72,7 @@ KINDS = {k.name: k for k in (
                # what the trainer is sent: the record under replay, nothing when pinned
                bytes_per_token=lambda r, cfg: r.index_bytes_per_token if cfg.rollout.index_selection == "replay"
                else 0,
-               override="set_index_override", own="last_own_indices", disagreement="index_disagreement",
+               in_model=True, disagreement="index_disagreement",
                measure=index_disagreement, aux_loss="indexer_loss",  # only while the indexers train
                aux_coef=lambda model, cfg: cfg.model.indexer_loss_coef),
 )}
@@ -81,8 +82,8 @@ def replay(cfg, model, b, rows: range) -> None:
     """The engine's records of `rows` in the ScoredBatch `b` forced on the model's next
     forwards, for each kind recorded there that the run replays."""
     for k in KINDS.values():
-        if k.override and getattr(b, k.field) is not None and k.replayed(cfg):
-            getattr(model, k.override)(b.flat(k.field, rows))
+        if k.in_model and getattr(b, k.field) is not None and k.replayed(cfg):
+            choice_points.force(model, k.name, b.flat(k.field, rows))
 
 
 class RunChoices:
@@ -91,7 +92,7 @@ class RunChoices:
     def __init__(self, cfg, spec):
         self.cfg = cfg
         self.kinds = [k for k in (KINDS[n] for n in ("kept_sets", *spec.choice_kinds)) if k.recorded(cfg)]
-        self.in_model = [k for k in self.kinds if k.override]  # made by the model's layers
+        self.in_model = [k for k in self.kinds if k.in_model]
 
     @property
     def capture(self) -> list[str]:
@@ -102,11 +103,11 @@ class RunChoices:
 
     def release(self, model) -> None:
         for k in self.in_model:
-            getattr(model, k.override)(None)
+            choice_points.force(model, k.name, None)
 
     def own(self, model) -> dict[str, torch.Tensor]:
         """The model's own choices in its last forward, [T, layers, ...] per kind."""
-        return {k.field: torch.stack(getattr(model, k.own), 1) for k in self.in_model}
+        return {k.field: torch.stack(choice_points.own(model, k.name), 1) for k in self.in_model}
 
     def disagreements(self, plan, b, own: list[dict]) -> dict:
         """Each recorded (position, layer) choice of the engine against the trainer's own,

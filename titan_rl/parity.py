@@ -39,6 +39,7 @@ from titan_rl.kernels import log_softmax_fp32
 from titan_rl.kernels.mode import KERNEL_MODES, KernelMode
 from titan_rl.dtypes import DTYPES
 from titan_rl.kernels.quant.recipes import check_stock_recipe
+from titan_rl.models.common import choice_points
 from titan_rl.models.options import ModelOptions, Quantization
 from titan_rl.metrics import expert_disagreement, full_vocab_mismatch, index_disagreement, logprob_mismatch
 from titan_rl.registry import get_architecture
@@ -140,13 +141,13 @@ def rescore(model, rollout: Rollout, batch_sizes: list[int], replay_indices: boo
         if recorded is not None:
             forced = recorded[rows.start:rows.stop, : batch.shape[1]]
             flat = forced.reshape(-1, *forced.shape[2:])
-            model.set_index_override([flat[:, layer] for layer in range(flat.shape[1])])
+            choice_points.force(model, "indices", [flat[:, layer] for layer in range(flat.shape[1])])
         logp = log_softmax_fp32(model(batch))
         if recorded is not None:
-            model.set_index_override(None)
-        own = getattr(model, "last_own_routes", None)  # MoE: the trainer router's choice
+            choice_points.force(model, "indices", None)
+        own = choice_points.own(model, "routes")  # MoE: the trainer router's choice
         own = torch.stack(own, 1).view(*batch.shape, len(own), -1) if own else None
-        own_sets = getattr(model, "last_own_indices", None)  # sparse attention: the trainer indexers' choice
+        own_sets = choice_points.own(model, "indices")  # sparse attention: the trainer indexers' choice
         own_sets = torch.stack(own_sets, 1).view(*batch.shape, len(own_sets), -1) if own_sets else None
         for r, j in enumerate(rows):
             lp = logp[r, rollout.response_span(j)]

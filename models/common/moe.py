@@ -13,12 +13,12 @@ expert index, optional renormalisation (norm_topk_prob); experts combined per to
 slot order in fp32.
 
 After each forward: `model.aux_loss` (Switch load-balancing loss over all layers,
-transformers' definition; not batch-invariant and not meant to be) and
-`model.last_routes` (per layer, the compact [T, k] expert ids used) and
-`model.last_own_routes` (the router's own choice; differs from last_routes only under
-replay). Router replay: `model.set_route_override([ids per layer] or None)` makes the
-next forwards use exactly those experts (the weights stay the current router's
-probabilities of them).
+transformers' definition; not batch-invariant and not meant to be). Each block's router is
+a "routes" choice point (models/common/choice_points.py): `used(model, "routes")` gives per
+layer the compact [T, k] expert ids of the last forward, `own(model, "routes")` the router's
+own choice (they differ only under replay), and `force(model, "routes", [ids per layer])`
+makes the next forwards use exactly those experts (router replay; the weights stay the
+current router's probabilities of them).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from titan_rl.kernels.moe import compact_routes, load_balancing_loss, moe_experts, router_topk
+from titan_rl.models.common.choice_points import ChoicePoint, points
 from titan_rl.models.common.config import DenseConfig, dense_fields_from_hf
 from titan_rl.models.common.transformer import MLP
 from titan_rl.models.layers import Linear, sigmoid_gate
@@ -88,10 +89,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, ops)
         expert_cfg = replace(cfg, intermediate_size=cfg.moe_intermediate_size)
         self.experts = nn.ModuleList(MLP(expert_cfg, ops, "experts") for _ in range(cfg.num_experts))
-        self.route_override: torch.Tensor | None = None
-        self.last_probs: torch.Tensor | None = None
-        self.last_ids: torch.Tensor | None = None       # the experts used
-        self.last_own_ids: torch.Tensor | None = None   # the router's own choice (== used unless replayed)
+        self.routes = ChoicePoint("routes", lambda ids: compact_routes(ids, cfg.num_experts))
+        self.last_probs: torch.Tensor | None = None  # for the model's load-balancing loss
 
     def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
         """Nothing prepared for the router: router_topk multiplies by its weight, per call."""
@@ -100,9 +99,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x):
         weights, ids, probs, own = router_topk(
             x, self.gate.weight, self.k, self.norm_topk_prob,
-            route_override=self.route_override, linear_fn=self.ops.linear, return_probs=True,
+            route_override=self.routes.override, linear_fn=self.ops.linear, return_probs=True,
         )
-        self.last_probs, self.last_ids, self.last_own_ids = probs, ids, own
+        self.last_probs = probs
+        self.routes.record(ids, own)
         return moe_experts(x, ids, weights, self.experts)
 
 
@@ -123,31 +123,17 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
 class Routed:
     """What a model whose every decoder layer's `mlp` is a SparseMoeBlock adds (a mixin
-    before the model class): the routes and the auxiliary loss of each forward, and router
-    replay."""
+    before the model class): the auxiliary loss of each forward. The routes are the blocks'
+    choice points."""
 
-    # set by every forward (hidden_states)
-    aux_loss: torch.Tensor | None = None
-    last_routes: list[torch.Tensor] | None = None
-    last_own_routes: list[torch.Tensor] | None = None
-
-    def set_route_override(self, routes: list[torch.Tensor] | None) -> None:
-        """Per layer [T, k] expert ids for the next forwards over T flat tokens (None:
-        route normally; a row whose first id is negative routes normally too)."""
-        layers = self.model.layers
-        if routes is not None and len(routes) != len(layers):
-            raise ValueError(f"route override has {len(routes)} layers, the model {len(layers)}")
-        for i, layer in enumerate(layers):
-            layer.mlp.route_override = None if routes is None else routes[i]
+    aux_loss: torch.Tensor | None = None  # set by every forward (hidden_states)
 
     def hidden_states(self, *args, **kwargs):
         h = super().hidden_states(*args, **kwargs)
         blocks = [layer.mlp for layer in self.model.layers]
-        self.last_routes = [compact_routes(b.last_ids, self.cfg.num_experts) for b in blocks]
-        self.last_own_routes = [compact_routes(b.last_own_ids, self.cfg.num_experts) for b in blocks]
         self.aux_loss = load_balancing_loss(
-            [b.last_probs for b in blocks], [b.last_ids for b in blocks], self.cfg.num_experts
+            [b.last_probs for b in blocks], [p.used for p in points(self, "routes")], self.cfg.num_experts
         )
         for b in blocks:  # do not keep the graph alive through the blocks
-            b.last_probs = b.last_ids = b.last_own_ids = None
+            b.last_probs = None
         return h

@@ -21,11 +21,11 @@ projections go through the invariant `linear`, one call per head.
 Parameter names are transformers' (`model.layers.N.self_attn.indexer.wq_b.weight`,
 `model.layers.N.mlp.gate.e_score_correction_bias`, `mlp.experts.M.gate_proj.weight`, ...).
 
-After each forward: `last_indices` / `last_own_indices` (per indexer layer, the [T, topk]
-positions used / chosen by the indexer; they differ only under index replay), `last_routes` /
-`last_own_routes` (per MoE layer, the experts), `aux_loss` (0: GLM-5 balances experts with the
-correction bias, not a loss), `indexer_loss` (the indexers' own loss when they are trained, else
-None). Replay: `set_index_override` / `set_route_override`.
+Two kinds of choice point (models/common/choice_points.py): each indexer layer's "indices"
+(the [T, topk] positions it attends to) and each MoE layer's "routes" (the experts); `used` /
+`own` give them per layer after a forward (they differ only under replay) and `force` replays
+them. After each forward also: `aux_loss` (0: GLM-5 balances experts with the correction bias,
+not a loss) and `indexer_loss` (the indexers' own loss when they are trained, else None).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch import nn
 from titan_rl.kernels.indexer.torch_impl import index_log_probs
 from titan_rl.kernels.moe import compact_routes, moe_experts, router_sigmoid_topk
 from titan_rl.kernels.sparse_attention.torch_impl import attention_target, selected_rows
+from titan_rl.models.common.choice_points import ChoicePoint
 from titan_rl.models.common.transformer import MLP, Backbone, CausalLM
 from titan_rl.models.layers import Linear, RMSNorm
 from titan_rl.models.ops import Ops
@@ -171,9 +172,9 @@ class MLAttention(nn.Module):
         self.scale = cfg.qk_head_dim ** -0.5
         self.index_scale = cfg.index_head_dim ** -0.5
         self.absorbed = None  # engine: {"w_uk_t": per head, "w_uv": per head} prepared once (engine_operands)
-        # replay: positions [T, topk] to attend to instead of the indexer's (a row starting with -1: its own)
-        self.index_override: torch.Tensor | None = None
-        self.last_indices = self.last_own_indices = None
+        # the key positions [T, topk] attended to; a replayed row starting with -1 keeps the indexer's own
+        n = cfg.max_position_embeddings
+        self.indices = ChoicePoint("indices", lambda ind: compact_indices(ind, n)) if self.indexer is not None else None
         self.indexer_loss: torch.Tensor | None = None
 
     def per_head(self) -> tuple[list, list]:
@@ -209,8 +210,8 @@ class MLAttention(nn.Module):
         else:
             own = shared
         used = own
-        if self.index_override is not None:
-            forced = self.index_override.to(device=own.device, dtype=torch.long)
+        if self.indexer is not None and self.indices.override is not None:
+            forced = self.indices.override.to(device=own.device, dtype=torch.long)
             if tuple(forced.shape) != tuple(own.shape):
                 raise ValueError(f"layer {self.layer_idx}: index override has shape {tuple(forced.shape)}, expected "
                                  f"{tuple(own.shape)}")
@@ -222,7 +223,8 @@ class MLAttention(nn.Module):
                 r = int(bad.nonzero()[0])
                 raise ValueError(f"layer {self.layer_idx}: replayed key set {used[r].tolist()} of position "
                                  f"{int(view.row_pos[r])} is not ascending positions <= {int(view.row_pos[r])}")
-        self.last_indices, self.last_own_indices = used, own
+        if self.indexer is not None:
+            self.indices.record(used, own)
 
         w_uk_t, w_uv = self.per_head()
         q_lat = torch.stack([self.ops.linear(q_nope[:, h], w_uk_t[h]) for h in range(self.h)], 1)
@@ -283,16 +285,15 @@ class DsaMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(expert, ops, "experts") for _ in range(cfg.n_routed_experts))
         self.shared_experts = (MLP(_mlp_config(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts), ops, "experts")
                                if cfg.n_shared_experts else None)
-        self.route_override: torch.Tensor | None = None
-        self.last_ids = self.last_own_ids = None
+        self.routes = ChoicePoint("routes", lambda ids: compact_routes(ids, cfg.n_routed_experts))
 
     def forward(self, x):
         c = self.cfg
         weights, ids, own = router_sigmoid_topk(
             x, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor, sigmoid=lambda z: self.ops.elementwise(torch.sigmoid, z),
-            route_override=self.route_override, linear_fn=self.ops.linear, topk_fn=self.ops.expert_topk)
-        self.last_ids, self.last_own_ids = ids, own
+            route_override=self.routes.override, linear_fn=self.ops.linear, topk_fn=self.ops.expert_topk)
+        self.routes.record(ids, own)
         out = moe_experts(x, ids, weights, self.experts)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -330,10 +331,6 @@ class GlmMoeDsaForCausalLM(CausalLM):
 
     # set by every forward (hidden_states)
     aux_loss: torch.Tensor | None = None
-    last_indices: list[torch.Tensor] | None = None
-    last_own_indices: list[torch.Tensor] | None = None
-    last_routes: list[torch.Tensor] | None = None
-    last_own_routes: list[torch.Tensor] | None = None
     indexer_loss: torch.Tensor | None = None  # mean over the indexer layers; None when they are not trained
 
     def __init__(self, cfg: GlmDsaConfig, options: ModelOptions = ModelOptions()):
@@ -349,28 +346,6 @@ class GlmMoeDsaForCausalLM(CausalLM):
     def indexers(self) -> list[nn.Module]:
         return [layer.self_attn.indexer for layer in self.model.layers if layer.self_attn.indexer is not None]
 
-    def moe_blocks(self) -> list[DsaMoE]:
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, DsaMoE)]
-
-    # -- replay ---------------------------------------------------------------------------
-    def set_index_override(self, indices: list[torch.Tensor] | None) -> None:
-        """Per indexer layer [T, topk] positions for the next forwards over T flat tokens (None:
-        the indexer chooses; a row whose first entry is negative: its own choice too)."""
-        layers = [layer.self_attn for layer in self.model.layers if layer.self_attn.indexer is not None]
-        if indices is not None and len(indices) != len(layers):
-            raise ValueError(f"index override has {len(indices)} layers, the model {len(layers)} indexer layers")
-        for i, attn in enumerate(layers):
-            attn.index_override = None if indices is None else indices[i]
-
-    def set_route_override(self, routes: list[torch.Tensor] | None) -> None:
-        """Per MoE layer [T, k] expert ids (None: route normally; a row whose first id is
-        negative routes normally too)."""
-        blocks = self.moe_blocks()
-        if routes is not None and len(routes) != len(blocks):
-            raise ValueError(f"route override has {len(routes)} layers, the model {len(blocks)} MoE layers")
-        for i, b in enumerate(blocks):
-            b.route_override = None if routes is None else routes[i]
-
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "GlmMoeDsaForCausalLM":
         super().init_weights(seed, std)
         with torch.no_grad():  # LayerNorm biases start at 0 (as nn.LayerNorm); the correction bias as initialised
@@ -383,25 +358,13 @@ class GlmMoeDsaForCausalLM(CausalLM):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        used, indices, own_indices, indexer_losses = None, [], [], []
+        used, indexer_losses = None, []
         for layer in self.model.layers:
             x, used = layer(x, positions, cache, used)
             attn = layer.self_attn
             if attn.indexer_loss is not None:
                 indexer_losses.append(attn.indexer_loss)
                 attn.indexer_loss = None
-            if attn.indexer is not None:
-                n = self.cfg.max_position_embeddings
-                indices.append(compact_indices(attn.last_indices, n))
-                own_indices.append(compact_indices(attn.last_own_indices, n))
-            attn.last_indices = attn.last_own_indices = None
-        self.last_indices, self.last_own_indices = indices, own_indices
-        blocks = self.moe_blocks()
-        E = self.cfg.n_routed_experts
-        self.last_routes = [compact_routes(b.last_ids, E) for b in blocks]
-        self.last_own_routes = [compact_routes(b.last_own_ids, E) for b in blocks]
-        for b in blocks:
-            b.last_ids = b.last_own_ids = None
         self.aux_loss = x.new_zeros((), dtype=torch.float32)
         self.indexer_loss = torch.stack(indexer_losses).mean() if indexer_losses else None
         return self.model.norm(x)

@@ -17,8 +17,9 @@ over vLLM's paged KV cache:
   request and absolute position. The indexer's keys therefore live in vLLM's cache next to
   the latent KV: chunked prefill, decode and prefix-cache hits read them like the KV.
 
-`index_sink` (titan_rl.vllm.indices.capture_indices) receives each forward's selected
-positions per indexer layer; `route_sink` the MoE routes (titan_rl.vllm.routes).
+While titan_rl.vllm.indices.capture_indices / titan_rl.vllm.routes.capture_routes are
+active, each forward's selected positions per indexer layer and MoE routes per MoE layer (the
+model's choice points) go to them through the wrapper's `choice_sinks`, as for every wrapper.
 """
 
 from __future__ import annotations
@@ -100,8 +101,7 @@ class TitanDsaForCausalLM(TitanForCausalLM):
             str(i): Attention(1, d, 1.0, num_kv_heads=1, cache_config=vllm_config.cache_config, prefix=name,
                               attn_backend=LatentCacheBackend)
             for i, name in self.prefixes.items()})
-        self.route_sink = None  # called with (positions, per-MoE-layer routes) while capture_routes is active
-        self.index_sink = None  # called with (positions, per-indexer-layer positions) while capture_indices is
+        self.choice_sinks: dict = {}  # as TitanForCausalLM's: routes and indices
 
     def _latents(self, positions: torch.Tensor):
         metadata = get_forward_context().attn_metadata
@@ -112,8 +112,5 @@ class TitanDsaForCausalLM(TitanForCausalLM):
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         hidden = self._net.hidden_states(input_ids, positions, self._latents(positions), inputs_embeds)
-        if self.route_sink is not None:
-            self.route_sink(positions, self._net.last_routes)
-        if self.index_sink is not None:
-            self.index_sink(positions, self._net.last_indices)
+        self._report_choices(positions)
         return hidden

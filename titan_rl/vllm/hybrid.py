@@ -121,7 +121,7 @@ class TitanHybridForCausalLM(TitanForCausalLM, HasInnerState, IsHybrid):
             str(i): TitanGDNState(shapes, f"{prefix}model.layers.{i}.linear_attn", vllm_config)
             for i in range(cfg.num_hidden_layers) if i not in full
         })
-        self.route_sink = None  # MoE hybrids: called like TitanForCausalLM's (router replay)
+        self.choice_sinks: dict = {}  # MoE hybrids: as TitanForCausalLM's (router replay)
 
     # -- vLLM's hybrid-model interface ---------------------------------------------------
     @classmethod
@@ -153,6 +153,5 @@ class TitanHybridForCausalLM(TitanForCausalLM, HasInnerState, IsHybrid):
             return self.attn[str(i)](q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)).view(q.shape)
 
         hidden = self._net.hidden_states(input_ids, positions, attn, inputs_embeds, state=self._linear_state(T))
-        if self.route_sink is not None and getattr(self._net, "last_routes", None) is not None:
-            self.route_sink(positions, self._net.last_routes)
+        self._report_choices(positions)
         return hidden

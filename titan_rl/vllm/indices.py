@@ -24,4 +24,4 @@ def capture_indices(llm):
     if not isinstance(model, TitanDsaForCausalLM):
         raise TypeError(f"capture_indices needs titan_rl's sparse-attention wrapper; the engine runs "
                         f"{type(model).__name__}")
-    return capture_sink(llm, "index_sink", "capture_indices")
+    return capture_sink(llm, "indices", "capture_indices")

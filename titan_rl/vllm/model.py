@@ -27,6 +27,7 @@ from vllm.model_executor.layers.attention import Attention
 from titan_rl import layout
 from titan_rl.kernels import lm_head_logits
 from titan_rl.kernels.selfcheck import check_platform
+from titan_rl.models.common import choice_points
 from titan_rl.models.layers import LM_HEAD_OPERAND, Linear, held_operands, lm_head_operand, prepare_for_engine
 from titan_rl.models.options import ModelOptions
 from titan_rl.parallel.plan import apply_tp_local, local_shard
@@ -79,9 +80,10 @@ class TitanForCausalLM(nn.Module):
         cfg = self._adopt(vllm_config)
         self.attn = nn.ModuleDict({str(i): _attention(cfg, vllm_config, prefix, i)
                                    for i in range(cfg.num_hidden_layers)})
-        # MoE models: called with (positions, per-layer routes) after each forward while
-        # titan_rl.vllm.routes.capture_routes is active (router replay).
-        self.route_sink = None
+        # choice kind -> called with (positions, the forward's per-layer choices of that kind,
+        # models/common/choice_points.py) after each forward while its capture is active
+        # (titan_rl.vllm.routes.capture_sink: router and index replay)
+        self.choice_sinks: dict = {}
 
     def _adopt(self, vllm_config: VllmConfig):
         """Build the ONE model definition from the engine's config.json and adopt its
@@ -117,9 +119,12 @@ class TitanForCausalLM(nn.Module):
             return self.attn[str(i)](q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)).view(q.shape)
 
         hidden = self._net.hidden_states(input_ids, positions, attn, inputs_embeds)
-        if self.route_sink is not None and getattr(self._net, "last_routes", None) is not None:
-            self.route_sink(positions, self._net.last_routes)
+        self._report_choices(positions)
         return hidden
+
+    def _report_choices(self, positions: torch.Tensor) -> None:
+        for kind, sink in self.choice_sinks.items():
+            sink(positions, choice_points.used(self._net, kind))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._lm_head_prepared is None:  # no load_weights yet (a dummy load)

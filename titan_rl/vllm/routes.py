@@ -120,29 +120,30 @@ def _stock_hooks(model, k: int, cap: "_Capture"):
 
 
 @contextlib.contextmanager
-def capture_sink(llm, sink: str, what: str):
-    """with capture_sink(llm, "route_sink", "capture_routes") as rec: our wrapper hands each
-    forward's per-layer choices to its attribute `sink` while active (one capture per sink)."""
+def capture_sink(llm, kind: str, what: str):
+    """with capture_sink(llm, "routes", "capture_routes") as rec: our wrapper hands each
+    forward's per-layer choices of `kind` (its model's choice points) to the capture while
+    active (one capture per kind)."""
     runner = model_runner(llm)
-    model = runner.model
-    if getattr(model, sink) is not None:
+    sinks = runner.model.choice_sinks
+    if kind in sinks:
         raise RuntimeError(f"{what} is already active")
     cap = _Capture(runner)
-    setattr(model, sink, cap)
+    sinks[kind] = cap
     try:
         yield cap.record
     finally:
-        setattr(model, sink, None)
+        del sinks[kind]
 
 
 @contextlib.contextmanager
 def capture_routes(llm):
     """with capture_routes(llm) as rec: outs = llm.generate(...); rec.assemble(outs).
-    Our wrapper reports its routes (route_sink); vLLM's built-in MoE models are observed
+    Our wrapper reports its routes (its choice_sinks); vLLM's built-in MoE models are observed
     through hooks on their router gates (_stock_hooks)."""
     runner = model_runner(llm)
     if isinstance(runner.model, TitanForCausalLM):
-        with capture_sink(llm, "route_sink", "capture_routes") as record:
+        with capture_sink(llm, "routes", "capture_routes") as record:
             yield record
         return
     cap = _Capture(runner)
