@@ -8,8 +8,7 @@ One folder per op. Each folder has:
 Both engines import the functions below and nothing else, so the trainer and the
 sampler can never drift onto different code for the same op. Each is a dispatched op
 (kernels/dispatch.py: torch_impl for CPU tensors, triton_impl for CUDA ones; the
-tensor-parallel pieces tree_sum, leaf_partials, linear_k_leaves, linear_n_blocks and
-rms_norm_heads have a CPU implementation only).
+tensor-parallel pieces are composed once over each form's GEMMs, kernels/matmul/blocks.py).
 """
 
 from titan_rl.kernels.dispatch import (

@@ -60,12 +60,12 @@ TABLE: dict[str, dict[str, str]] = {
     "router_sigmoid_topk": {"torch": "moe.torch_impl:router_sigmoid_topk",
                             "triton": "moe.triton_impl:router_sigmoid_topk"},
     # the tensor-parallel pieces (fixed column blocks, K-leaves and their tree, the per-head
-    # norm's tree): the CPU implementation only, so far
-    "tree_sum": {"torch": "matmul.torch_impl:tree_sum"},
-    "leaf_partials": {"torch": "matmul.torch_impl:leaf_partials"},
-    "linear_k_leaves": {"torch": "matmul.torch_impl:linear_k_leaves"},
-    "linear_n_blocks": {"torch": "matmul.torch_impl:linear_n_blocks"},
-    "rms_norm_heads": {"torch": "rmsnorm.torch_impl:rms_norm_heads"},
+    # norm's tree): both forms compose their own GEMMs the same way (matmul/blocks.py)
+    "tree_sum": {"torch": "matmul.torch_impl:tree_sum", "triton": "matmul.triton_impl:tree_sum"},
+    "leaf_partials": {"torch": "matmul.torch_impl:leaf_partials", "triton": "matmul.triton_impl:leaf_partials"},
+    "linear_k_leaves": {"torch": "matmul.torch_impl:linear_k_leaves", "triton": "matmul.triton_impl:linear_k_leaves"},
+    "linear_n_blocks": {"torch": "matmul.torch_impl:linear_n_blocks", "triton": "matmul.triton_impl:linear_n_blocks"},
+    "rms_norm_heads": {"torch": "rmsnorm.torch_impl:rms_norm_heads", "triton": "rmsnorm.triton_impl:rms_norm_heads"},
 }
 
 _forced: list[str] = []

@@ -140,6 +140,17 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
                                   sz.batches),
         "drop_mask": _row_check(lambda b: sp.drop_mask(logits[:b], top_k[:b], top_p[:b]), R, sz.batches),
     }
+    # the TP pieces: row invariance, and 2 "ranks" (half of K's leaves / half of the column
+    # blocks each) finished by the same tree equal the one-call form, bit for bit
+    kl, nl = K - K % 8, N - N % 8
+    xl, wb = x[:, :kl].contiguous(), w[:nl, :kl].contiguous()
+    full_k, full_n = mm.linear_k_leaves(xl, wb, 8), mm.linear_n_blocks(xl, wb, 8)
+    halves = [mm.tree_sum(mm.leaf_partials(xl[:, r * kl // 2:(r + 1) * kl // 2].contiguous(),
+                                           wb[:, r * kl // 2:(r + 1) * kl // 2].contiguous(), 4)) for r in range(2)]
+    checks["linear_k_leaves"] = _row_check(lambda b: mm.linear_k_leaves(xl[:b], wb, 8), R, sz.batches) and \
+        torch.equal(mm.tree_sum(torch.stack(halves)).to(dtype), full_k)
+    checks["linear_n_blocks"] = _row_check(lambda b: mm.linear_n_blocks(xl[:b], wb, 8), R, sz.batches) and \
+        torch.equal(mm.linear_n_blocks(xl, wb[nl // 2:], 4), full_n[:, nl // 2:])
     # attention: sequences alone vs in batches; prefixes; paged decode of b sequences == dense rows
     S, L = sz.seqs, sz.seq_len
     q, kk, vv = randn(S, L, H, D), randn(S, L, Hkv, D), randn(S, L, Hkv, D)

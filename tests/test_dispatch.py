@@ -12,22 +12,14 @@ from titan_rl.kernels import dispatch, selfcheck
 from titan_rl.models import qwen3
 
 
-# the TP pieces (no Triton form written yet)
-CPU_ONLY = {"tree_sum", "leaf_partials", "linear_k_leaves", "linear_n_blocks", "rms_norm_heads"}
-
-
 def test_cpu_runs_torch_impl_and_cuda_triton_impl():
     for op in dispatch.TABLE:
         cpu = dispatch.implementation(op, "cpu")
         assert ".torch_impl" in cpu.__module__, op
-        if op in CPU_ONLY:
-            with pytest.raises(NotImplementedError, match=f"'{op}' has no 'triton' implementation"):
-                dispatch.implementation(op, "cuda")
-            continue
         cuda = dispatch.implementation(op, "cuda")
         assert ".triton_impl" in cuda.__module__, op
-    assert {op for op in dispatch.TABLE if "triton" not in dispatch.TABLE[op]} == CPU_ONLY
-    assert set(dispatch.choices("cuda")) == set(dispatch.TABLE) - CPU_ONLY
+    assert all("triton" in forms for forms in dispatch.TABLE.values())  # every op has a GPU form
+    assert set(dispatch.choices("cuda")) == set(dispatch.TABLE)
     assert dispatch.backend_for("cpu") == "torch" and dispatch.backend_for(torch.device("cuda", 0)) == "triton"
     assert dispatch.choices("cpu")["linear"] == "titan_rl.kernels.matmul.torch_impl.linear"
 
@@ -42,6 +34,10 @@ def test_refusals_name_what_is_allowed(monkeypatch):
         dispatch.Dispatched("conv")
     # the one place Dispatched objects are made: every op of the table, bound in dispatch.py
     assert {name for name, v in vars(dispatch).items() if isinstance(v, dispatch.Dispatched)} == set(dispatch.TABLE)
+    # an op without a form for a device says so by name (every op has both forms today)
+    monkeypatch.setitem(dispatch.TABLE, "cpu_only_probe", {"torch": "matmul.torch_impl:tree_sum"})
+    with pytest.raises(NotImplementedError, match="'cpu_only_probe' has no 'triton' implementation"):
+        dispatch.implementation("cpu_only_probe", "cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with dispatch.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         dispatch.backend_for("cpu")

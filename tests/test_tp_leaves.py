@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import _tp_pieces
 from titan_rl.dtypes import DTYPES
 
 from titan_rl.kernels import linear, linear_k_leaves, linear_n_blocks
@@ -226,63 +227,20 @@ def test_engine_tp_needs_tp_leaves():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_column_blocks_backward_equals_the_ranks_subtrees(dtype, seed):
-    """linear_n_blocks' gradients from L blocks in one call equal those of t "ranks" each
-    holding L/t blocks (input gradient: each rank's subtree, finished by one tree), for
-    fresh inputs and odd row counts."""
     from titan_rl.kernels import tree_sum
 
-    g = torch.Generator().manual_seed(seed)
-    dt, blocks = DTYPES[dtype], 8
-    for rows, k, n in ((1, 40, 8 * 6), (13, 72, 8 * 10), (37, 24, 8 * 3)):
-        x = torch.randn(rows, k, generator=g).to(dt).requires_grad_()
-        w = torch.randn(n, k, generator=g).to(dt).requires_grad_()
-        gy = torch.randn(rows, n, generator=g).to(dt)
-        gx, gw = torch.autograd.grad(linear_n_blocks(x, w, blocks), (x, w), gy)
-        for t in (2, 4):
-            subs, gws = [], []
+    _tp_pieces.column_blocks_backward_equals_the_ranks_subtrees(linear_n_blocks, tree_sum, DTYPES[dtype], seed)
 
-            def keep(sub):  # a rank's finish: hand its subtree out, finish below
-                subs.append(sub)
-                return sub
 
-            ns = n // t
-            for r in range(t):
-                w_r = w.detach()[r * ns:(r + 1) * ns].clone().requires_grad_()
-                x_r = x.detach().clone().requires_grad_()
-                y = linear_n_blocks(x_r, w_r, blocks // t, finish=keep)
-                gws.append(torch.autograd.grad(y, (x_r, w_r), gy[:, r * ns:(r + 1) * ns])[1])
-            assert torch.equal(tree_sum(torch.stack(subs)).to(dt), gx)
-            assert torch.equal(torch.cat(gws), gw)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_k_leaves_equal_the_ranks_subtrees(dtype, seed):
+    from titan_rl.kernels import leaf_partials, tree_sum
+
+    _tp_pieces.k_leaves_equal_the_ranks_subtrees(linear_k_leaves, leaf_partials, tree_sum, DTYPES[dtype], seed)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_head_norm_weight_gradient_equals_the_ranks_heads(dtype, seed):
-    """rms_norm_heads (forward: rms_norm's bits): the gradients from all H heads in one
-    call equal those of 2 "ranks" of H/2 heads each, whose per-head weight partials are
-    gathered in rank order (H = 6: the tree over heads is padded to 8)."""
     from titan_rl.kernels import rms_norm, rms_norm_heads
 
-    g = torch.Generator().manual_seed(seed)
-    dt, t = DTYPES[dtype], 2
-    for rows, h, d in ((1, 4, 64), (29, 8, 32), (7, 6, 16)):
-        x = torch.randn(rows, h, d, generator=g).to(dt).requires_grad_()
-        w = (1 + 0.1 * torch.randn(d, generator=g)).to(dt).requires_grad_()
-        gy = torch.randn(rows, h, d, generator=g).to(dt)
-        y = rms_norm_heads(x, w, 1e-6)
-        assert torch.equal(y, rms_norm(x, w, 1e-6))
-        gx, gw = torch.autograd.grad(y, (x, w), gy)
-        hs = h // t
-        parts: list[torch.Tensor] = []
-
-        def rank_grads(r: int, gather):
-            x_r = x.detach()[:, r * hs:(r + 1) * hs].clone().requires_grad_()
-            w_r = w.detach().clone().requires_grad_()
-            return torch.autograd.grad(rms_norm_heads(x_r, w_r, 1e-6, gather), (x_r, w_r),
-                                       gy[:, r * hs:(r + 1) * hs].contiguous())
-
-        for r in range(t):  # first pass: each rank's own partials
-            rank_grads(r, lambda p: parts.append(p) or torch.cat([p] * t))
-        for r in range(t):  # second pass: the gathered partials, as all_gather gives them
-            gx_r, gw_r = rank_grads(r, lambda p, r=r: torch.cat(parts[:r] + [p] + parts[r + 1:]))
-            assert torch.equal(gx_r, gx[:, r * hs:(r + 1) * hs])
-            assert torch.equal(gw_r, gw)
+    _tp_pieces.head_norm_weight_gradient_equals_the_ranks_heads(rms_norm_heads, rms_norm, DTYPES[dtype], seed)

@@ -289,6 +289,41 @@ def test_top_k_top_p_drop_mask_matches_torch_impl_and_is_row_invariant(rng):
     assert torch.equal(tsp.drop_mask(x[3:4], k[3:4], p[3:4]), got[3:4])
 
 
+# -- the tensor-parallel pieces (kernels/matmul/blocks.py over this form's GEMMs) -----------
+
+def test_tree_sum_gives_the_torch_forms_bits(rng):
+    """One IEEE add per element and level, in the same tree: torch.equal to torch_impl's at odd
+    element counts (more than one pair block), and a count not a power of two refused. fp32
+    only here: the interpreter's fp32 -> bf16 cast truncates (measured: 5 of 15 sums one ulp
+    off torch's round-to-nearest), where the GPU rounds to nearest even as torch does."""
+    from titan_rl.kernels.matmul import torch_impl as cpu_mm
+
+    for n, shape in ((1, (7,)), (2, (3, 5)), (4, (1031,)), (8, (13, 11))):
+        parts = torch.randn(n, *shape, generator=rng)
+        assert torch.equal(mm.tree_sum(parts), cpu_mm.tree_sum(parts)), (n, shape)
+    with pytest.raises(ValueError, match="power-of-two"):
+        mm.tree_sum(torch.zeros(3, 4))
+
+
+def test_tp_pieces_equal_the_ranks_and_match_the_reference(seed, rng):
+    """The Triton forms' K-leaves, column blocks (forward and fixed-shape backward) and the
+    per-head norm's weight gradient: one call equals TP "ranks" finished by the same tree
+    (tests/_tp_pieces.py, fp32: the interpreter's bf16 tl.dot is broken; the head norm has
+    no dot and runs in bf16 too); the leaves' sum stays within fp32 rounding of the reference."""
+    import _tp_pieces
+
+    _tp_pieces.k_leaves_equal_the_ranks_subtrees(mm.linear_k_leaves, mm.leaf_partials, mm.tree_sum, torch.float32,
+                                                 seed)
+    _tp_pieces.column_blocks_backward_equals_the_ranks_subtrees(mm.linear_n_blocks, mm.tree_sum, torch.float32, seed)
+    for dtype in (torch.float32, torch.bfloat16):
+        _tp_pieces.head_norm_weight_gradient_equals_the_ranks_heads(rn.rms_norm_heads, rn.rms_norm, dtype, seed)
+    x, w = torch.randn(37, 72, generator=rng), torch.randn(80, 72, generator=rng)
+    torch.testing.assert_close(mm.linear_k_leaves(x, w, 8).double(), linear_reference(x.double(), w.double()),
+                               rtol=1e-4, atol=1e-4 * math.sqrt(72))
+    torch.testing.assert_close(mm.linear_n_blocks(x, w, 8).double(), linear_reference(x.double(), w.double()),
+                               rtol=1e-4, atol=1e-4 * math.sqrt(72))
+
+
 def test_vllm_cuda_backend_metadata_to_kernel_arguments(rng):
     """titan_rl/vllm/attention_cuda.py on CPU: vLLM's GPU cache layout [blocks, Hkv, block,
     2*D] with HND strides as a view the kernel reads, the Triton backend's metadata as the

@@ -30,9 +30,9 @@ their backward's shapes, for TP-invariant gradients.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from titan_rl.kernels.matmul import blocks
 
 ROW_MULTIPLE = 8
 MIN_N = 16  # narrower weights are zero-padded to this many output columns
@@ -165,13 +165,6 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
 # engine (TP = 1) compute identical bits. Both forms stay batch-invariant: every piece is
 # a call of `linear`, and the tree adds elementwise.
 
-def _check_leaves(k: int, k_leaves: int) -> None:
-    if k_leaves < 1 or k_leaves & (k_leaves - 1):
-        raise ValueError(f"k_leaves = {k_leaves} must be a power of two")
-    if k % k_leaves:
-        raise ValueError(f"K = {k} is not divisible by k_leaves = {k_leaves}")
-
-
 def tree_sum(parts: torch.Tensor) -> torch.Tensor:
     """Balanced pairwise sum over dim 0 (length a power of two): level by level,
     neighbours added elementwise. Elementwise adds are exact IEEE operations, so the
@@ -184,72 +177,19 @@ def tree_sum(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-def leaf_partials(x: torch.Tensor, weight: torch.Tensor, n_leaves: int) -> torch.Tensor:
-    """fp32 partial products of `n_leaves` equal K-slices: [n_leaves, *x.shape[:-1], N].
+# the pieces themselves, composed of this form's GEMMs (kernels/matmul/blocks.py, shared
+# with the Triton form)
+GEMMS = blocks.Gemms(linear=linear, mm=_invariant_mm, grad_input=grad_input, grad_weight=grad_weight,
+                     tree_sum=tree_sum)
 
-    Each leaf is made contiguous before the GEMM, so a leaf's call sees the same
-    shapes and strides whether x holds all of K (TP = 1) or one rank's share."""
-    k = x.shape[-1]
-    _check_leaves(k, n_leaves)
-    kl = k // n_leaves
-    lead, n = x.shape[:-1], weight.shape[0]
-    xs = x.reshape(-1, n_leaves, kl).transpose(0, 1).contiguous()  # [L, M, kl]
-    ws = weight.reshape(n, n_leaves, kl).transpose(0, 1).contiguous()  # [L, N, kl]
-    parts = torch.stack([linear(xs[i], ws[i]).float() for i in range(n_leaves)])
-    return parts.reshape(n_leaves, *lead, n)
+
+def leaf_partials(x: torch.Tensor, weight: torch.Tensor, n_leaves: int) -> torch.Tensor:
+    return blocks.leaf_partials(GEMMS, x, weight, n_leaves)
 
 
 def linear_k_leaves(x: torch.Tensor, weight: torch.Tensor, k_leaves: int) -> torch.Tensor:
-    """y = x @ weight^T with the reduction over K cut into `k_leaves` leaves summed by a
-    fixed fp32 tree; output in x's dtype. Equal, bit for bit, to the row-parallel form
-    (titan_rl.parallel.tp_linear.row_parallel_linear) on any TP degree dividing k_leaves."""
-    return tree_sum(leaf_partials(x, weight, k_leaves)).to(x.dtype)
+    return blocks.linear_k_leaves(GEMMS, x, weight, k_leaves)
 
 
-class _ColumnBlocks(torch.autograd.Function):
-    """`linear_n_blocks` with a backward of fixed-shape pieces. Each block j's weight
-    gradient is its own GEMM (grad_j^T @ x); the input gradient is the sum over blocks of
-    grad_j @ W_j ([M, N/n] x [N/n, K], the same call on every layout), upcast to fp32 and
-    added by `tree_sum`, then passed to `finish` (None: this call holds the whole tree;
-    under TP a rank holds one subtree and `finish` completes the same tree over ranks)."""
-
-    @staticmethod
-    def forward(ctx, x2, weight, n_blocks, finish):
-        ctx.save_for_backward(x2, weight)
-        ctx.n_blocks, ctx.finish = n_blocks, finish
-        t = weight.shape[0] // n_blocks
-        return torch.cat([_invariant_mm(x2, weight[j * t:(j + 1) * t]) for j in range(n_blocks)], -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x2, weight = ctx.saved_tensors
-        t = weight.shape[0] // ctx.n_blocks
-        grad = grad.to(x2.dtype)
-        blocks = [grad[:, j * t:(j + 1) * t].contiguous() for j in range(ctx.n_blocks)]
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            w = weight.to(x2.dtype)
-            sub = tree_sum(torch.stack([grad_input(g, w[j * t:(j + 1) * t]).float() for j, g in enumerate(blocks)]))
-            gx = (sub if ctx.finish is None else ctx.finish(sub)).to(x2.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = torch.cat([grad_weight(g, x2) for g in blocks]).to(weight.dtype)
-        return gx, gw, None, None
-
-
-def linear_n_blocks(x: torch.Tensor, weight: torch.Tensor, n_blocks: int,
-                    finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """y = x @ weight^T computed as `n_blocks` calls of `linear`, one per block of
-    weight.shape[0] / n_blocks consecutive output columns. A column's bits then depend
-    only on its block, so a TP rank holding blocks [i, j) reproduces them. The input
-    gradient is the blocks' partials added by a fixed fp32 tree (`_ColumnBlocks`);
-    `finish(subtree_sum)` completes it across TP ranks (the column-parallel form)."""
-    n = weight.shape[0]
-    if n_blocks < 1 or n % n_blocks or n_blocks & (n_blocks - 1):
-        raise ValueError(f"N = {n} is not divisible by n_blocks = {n_blocks} (a power of two)")
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        lead = x.shape[:-1]
-        return _ColumnBlocks.apply(x.reshape(-1, x.shape[-1]), weight, n_blocks, finish).reshape(*lead, n)
-    if n_blocks == 1:
-        return linear(x, weight)
-    t = n // n_blocks
-    return torch.cat([linear(x, weight[j * t:(j + 1) * t]) for j in range(n_blocks)], -1)
+def linear_n_blocks(x: torch.Tensor, weight: torch.Tensor, n_blocks: int, finish=None) -> torch.Tensor:
+    return blocks.linear_n_blocks(GEMMS, x, weight, n_blocks, finish)

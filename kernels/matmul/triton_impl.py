@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_rl.kernels.matmul import blocks
+
 ROW_TILE = 64  # BLOCK_M; same default as torch_impl.ROW_TILE
 BLOCK_N = 64
 BLOCK_K = 32
@@ -92,3 +94,63 @@ def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """The engine's weight prepared once per load: detached and contiguous (the kernel
     reads any strides; contiguous rows load in full cache lines)."""
     return weight.detach().contiguous()
+
+
+# -- the fixed-shape tensor-parallel pieces (kernels/matmul/blocks.py; why: torch_impl.py) ---
+
+@triton.jit
+def _pair_sum_kernel(src_ptr, dst_ptr, half, numel, BLOCK: tl.constexpr):
+    # dst[i, e] = src[2i, e] + src[2i + 1, e] over flat (i, e), i < half: one level of the tree
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < half * numel
+    i, e = offs // numel, offs % numel
+    a = tl.load(src_ptr + (2 * i) * numel + e, mask=mask)
+    b = tl.load(src_ptr + (2 * i + 1) * numel + e, mask=mask)
+    # in fp32, rounded once to the parts' dtype: what torch's add does for bf16 / fp16 parts
+    tl.store(dst_ptr + offs, (a.to(tl.float32) + b.to(tl.float32)).to(dst_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+             mask=mask)
+
+
+PAIR_BLOCK = 1024
+
+
+def tree_sum(parts: torch.Tensor) -> torch.Tensor:
+    """Balanced pairwise sum over dim 0 (a power of two): one launch per level, each adding
+    neighbours elementwise (one IEEE add per element), so the bits are torch_impl.tree_sum's."""
+    n = parts.shape[0]
+    if n & (n - 1):
+        raise ValueError(f"tree_sum needs a power-of-two count, got {n}")
+    numel = parts[0].numel()
+    while parts.shape[0] > 1:
+        src, half = parts.contiguous(), parts.shape[0] // 2
+        dst = src.new_empty(half, *src.shape[1:])
+        if numel:
+            grid = (triton.cdiv(half * numel, PAIR_BLOCK),)
+            _pair_sum_kernel[grid](src, dst, half, numel, BLOCK=PAIR_BLOCK, enable_fp_fusion=False)
+        parts = dst
+    return parts[0]
+
+
+def _grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad [M, N] @ weight [N, K]: the fixed-tile kernel on the transposed weight (any strides)."""
+    return _linear(grad, weight.to(grad.dtype).t())
+
+
+def _grad_weight(grad: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """grad^T [N, M] @ x2 [M, K]: the fixed-tile kernel with the M rows as the reduction."""
+    return _linear(grad.t(), x2.to(grad.dtype).t())
+
+
+GEMMS = blocks.Gemms(linear=linear, mm=_linear, grad_input=_grad_input, grad_weight=_grad_weight, tree_sum=tree_sum)
+
+
+def leaf_partials(x: torch.Tensor, weight: torch.Tensor, n_leaves: int) -> torch.Tensor:
+    return blocks.leaf_partials(GEMMS, x, weight, n_leaves)
+
+
+def linear_k_leaves(x: torch.Tensor, weight: torch.Tensor, k_leaves: int) -> torch.Tensor:
+    return blocks.linear_k_leaves(GEMMS, x, weight, k_leaves)
+
+
+def linear_n_blocks(x: torch.Tensor, weight: torch.Tensor, n_blocks: int, finish=None) -> torch.Tensor:
+    return blocks.linear_n_blocks(GEMMS, x, weight, n_blocks, finish)

@@ -42,12 +42,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _ops().rms_norm(x, weight, eps)
 
 
-def _padded_tree_sum(parts: torch.Tensor) -> torch.Tensor:
+def _padded_tree_sum(parts: torch.Tensor, tree: Callable) -> torch.Tensor:
     n = parts.shape[0]
     width = 1 << (n - 1).bit_length()
     if width != n:  # zeros complete the tree: x + 0 == x
         parts = torch.cat([parts, parts.new_zeros(width - n, *parts.shape[1:])])
-    return tree_sum(parts)
+    return tree(parts)
 
 
 class _HeadRMSNorm(torch.autograd.Function):
@@ -55,13 +55,15 @@ class _HeadRMSNorm(torch.autograd.Function):
     gradient is `_RMSNorm`'s (a row's bits depend on the row alone). The weight gradient
     is taken per head (head h: its rows' products summed over the rows, a reduction of
     fixed shape), `gather` brings all H heads' partials together (TP: each rank holds
-    its heads; None: this call holds them all) and a fixed tree over heads adds them."""
+    its heads; None: this call holds them all) and a fixed tree over heads adds them.
+    `norm` is the form's rms_norm (the forward), `tree` its tree_sum: the Triton form
+    (triton_impl.rms_norm_heads) passes its own."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, gather):
+    def forward(ctx, x, weight, eps, gather, norm, tree):
         ctx.save_for_backward(x, weight)
-        ctx.eps, ctx.gather = eps, gather
-        return _ops().rms_norm(x, weight, eps)
+        ctx.eps, ctx.gather, ctx.tree = eps, gather, tree
+        return norm(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad):
@@ -77,7 +79,7 @@ class _HeadRMSNorm(torch.autograd.Function):
                              for h in range(x.shape[-2])])
         if ctx.gather is not None:
             parts = ctx.gather(parts)
-        return gx, _padded_tree_sum(parts).to(weight.dtype), None, None
+        return gx, _padded_tree_sum(parts, ctx.tree).to(weight.dtype), None, None, None, None
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -85,6 +87,11 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """rms_norm (the same forward bits) of per-head vectors x [..., H, D] (q_norm/k_norm),
     whose weight gradient is a fixed tree over heads: the same bits whatever number of the
     heads one call holds, with `gather(parts [h, D]) -> [H, D]` joining the TP ranks' heads."""
+    return head_rms_norm(x, weight, eps, gather, lambda *a: _ops().rms_norm(*a), tree_sum)
+
+
+def head_rms_norm(x, weight, eps, gather, norm: Callable, tree: Callable) -> torch.Tensor:
+    """rms_norm_heads over a form's `norm` and `tree` (torch: the compiled norm, tree_sum)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _HeadRMSNorm.apply(x, weight, eps, gather)
-    return _ops().rms_norm(x, weight, eps)
+        return _HeadRMSNorm.apply(x, weight, eps, gather, norm, tree)
+    return norm(x, weight, eps)

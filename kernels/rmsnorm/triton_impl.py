@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from titan_rl.kernels.autograd import with_eager_backward
-from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
+from titan_rl.kernels.matmul.triton_impl import tree_sum
+from titan_rl.kernels.rmsnorm.torch_impl import head_rms_norm, rms_norm_eager
 
 
 @triton.jit
@@ -44,3 +45,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 rms_norm = with_eager_backward(_rms_norm, rms_norm_eager)
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, gather=None) -> torch.Tensor:
+    """torch_impl.rms_norm_heads on this form: the forward is rms_norm above, the weight
+    gradient's tree over heads the Triton tree_sum (the same elementwise adds)."""
+    return head_rms_norm(x, weight, eps, gather, rms_norm, tree_sum)
