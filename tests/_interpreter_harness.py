@@ -1,12 +1,12 @@
 """What the Triton test files share to run under TRITON_INTERPRET=1 (tests/test_triton_kernels.py,
-tests/test_triton_glm5.py): the variable must be set before triton is first imported, so a file
-runs in-process only when it is the first to import triton; otherwise its tests are skipped and
-its test_in_a_fresh_interpreter_process runs the file in a child process. The variable is set
-only while the file imports and runs, so it does not leak into other files' tests.
+tests/test_triton_glm5.py): the variable must be set before triton and every triton_impl module
+are first imported, so a file runs in-process only when the variable was set from the start;
+otherwise its tests are skipped and its test_in_a_fresh_interpreter_process runs the file in a
+child process with the variable set.
 
 Each file computes, before importing triton:
     _PREV = os.environ.get("TRITON_INTERPRET")
-    IN_PROCESS = _PREV == "1" or "triton" not in sys.modules
+    IN_PROCESS = _PREV == "1"
 and then takes its fixtures and child-process test from `harness(_PREV, IN_PROCESS, __file__)`.
 """
 
