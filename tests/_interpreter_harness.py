@@ -38,7 +38,7 @@ def harness(prev: str | None, in_process: bool, test_file: str):
     @pytest.fixture(autouse=True)
     def _in_process_only(request):
         if not in_process and request.node.name != "test_in_a_fresh_interpreter_process":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
+            pytest.skip("TRITON_INTERPRET=1 was not set when this process started; "
                         "test_in_a_fresh_interpreter_process runs these tests in a child process")
 
     def test_in_a_fresh_interpreter_process():

@@ -11,6 +11,7 @@ import time
 from titan_rl.launch import free_port
 from titan_rl.run_dir import comparable, read_metrics
 
+import _zygote
 from _shared_runs import shared_run
 
 SHORT = ["--training.steps=6", "--algorithm.sft_steps=2", "--algorithm.prompts_per_step=4",
@@ -30,7 +31,7 @@ def _train_cmd(run_dir, extra=()):
 
 
 def _train(run_dir, extra=(), timeout=300):
-    return subprocess.run(_train_cmd(run_dir, extra), env=ENV, capture_output=True, text=True, timeout=timeout)
+    return _zygote.run(_train_cmd(run_dir, extra), env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def uninterrupted_run(tmp_path_factory):
@@ -70,7 +71,7 @@ def _engine_processes(pid: int) -> list:
 def _run_until(cmd, stop_at: str, act, timeout=240):
     """Run `cmd`, call act(process) once a stdout line starts with `stop_at`, then wait:
     (return code, stdout, seconds from act to exit)."""
-    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = _zygote.popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, acted = [], None
     deadline = time.time() + timeout
     for line in p.stdout:

@@ -83,9 +83,11 @@ def pytest_sessionfinish(session, exitstatus):
 # `--dist loadfile` hands files to the two workers in collection order, so the files that take
 # longest (several minutes each, measured with --durations) go first; otherwise they start last
 # and one worker runs alone for the final ten minutes. The order inside each file is kept.
-_SLOWEST_FIRST = ("test_train.py", "test_train_torchrun.py", "test_hybrids_vllm.py", "test_validation.py",
-                  "test_titan_parallel.py", "test_engine_link.py", "test_hybrid.py", "test_tp_leaves.py",
-                  "test_hybrids_parity.py", "test_separate_checks.py", "test_separate_choices.py", "test_quant_cells.py")
+_SLOWEST_FIRST = ("test_train.py", "test_titan_parallel.py", "test_train_torchrun.py", "test_masked_cpu.py",
+                  "test_engine_link.py", "test_hybrid.py", "test_hybrids_parity.py", "test_hybrids_vllm.py",
+                  "test_invariance_guard.py", "test_separate_checks.py", "test_separate_choices.py",
+                  "test_quant_vllm.py", "test_quant_cells.py", "test_chat_tasks.py", "test_validation.py",
+                  "test_triton_kernels.py", "test_triton_glm5.py")
 
 
 def pytest_collection_modifyitems(config, items):

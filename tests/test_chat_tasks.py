@@ -5,7 +5,6 @@ refusals at start, the evaluation CLI, and a short RL run on a chat task with mi
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,8 @@ import torch
 
 from titan_rl.tasks import HELD_OUT_SEEDS, ChatTokenizer, eval_seed, extract_answer, load_task
 from titan_rl.tasks.library import ANSWER_FORMAT, math_equal
+
+import _zygote
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,8 +222,8 @@ def test_eval_cli_runs_and_reruns_the_same(folders, tmp_path, capsys):
 
     args = ["--checkpoint", folders["chat"], "--task", "reasoning_gym:chain_sum", "--task-kwargs",
             json.dumps(CHAIN_SUM), "--n", "4", "--seed", "3"]
-    r = subprocess.run([sys.executable, "-m", "titan_rl.eval", *args, "--json", str(tmp_path / "a.json")], env=ENV,
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = _zygote.run([sys.executable, "-m", "titan_rl.eval", *args, "--json", str(tmp_path / "a.json")], env=ENV,
+                    capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert re.search(r"questions +accuracy +mean reward +mean length\n +4 ", r.stdout), r.stdout
     a = json.loads((tmp_path / "a.json").read_text())
@@ -251,7 +252,7 @@ RL_RUN = ["--task.name=reasoning_gym:chain_sum", "--task.kwargs={max_terms = 3, 
 def _train(run_dir, folder, extra=()):
     cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), f"--model.checkpoint={folder}", *RL_RUN,
            *extra]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = _zygote.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

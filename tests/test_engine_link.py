@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+import _zygote  # noqa: E402
 from _folders import edit_config_in_place  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
@@ -248,11 +249,10 @@ def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_p
     (titan_corrupt_operand) after it loaded a transfer: the run stops naming the operand, in
     one line; untouched syncs pass before each. In a fresh process (tests/_separate_corrupt.py):
     an engine in its own process cannot start from one that ran an in-process engine."""
-    import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "_separate_corrupt.py")
-    r = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    r = _zygote.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASSED ", "STOPPED "))]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [ln.split(" ", 3)[:3] for ln in lines] == [

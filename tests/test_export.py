@@ -2,7 +2,6 @@
 stock vLLM load, with the start folder's tokenizer files, and whose tensors are the checkpoint's."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,8 @@ from titan_rl.checkpoint import save_hf_folder  # noqa: E402
 from titan_rl.export import main as export_main  # noqa: E402
 from titan_rl.models.qwen3 import build  # noqa: E402
 
+import _zygote  # noqa: E402
+
 RUN = ["--training.steps=4", "--algorithm.sft_steps=2", "--algorithm.prompts_per_step=4", "--algorithm.group_size=4",
        "--algorithm.sft_batch=16", "--checkpoint.interval=2", "--lr_scheduler.warmup_steps=1"]
 
@@ -26,9 +27,9 @@ def run(tmp_path_factory):
     start = root / "start"
     save_hf_folder(build("debug").init_weights(7, 0.05), start, architecture="Qwen3ForCausalLM", dtype=torch.float32)
     (start / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    r = subprocess.run([sys.executable, "-m", "titan_rl.train", "--config", "train_configs/rl_debug.toml", "--run-dir",
-                        str(root / "run"), f"--model.checkpoint={start}", *RUN],
-                       capture_output=True, text=True, timeout=600, cwd=parity.__file__.rsplit("/titan_rl/", 1)[0])
+    r = _zygote.run([sys.executable, "-m", "titan_rl.train", "--config", "train_configs/rl_debug.toml", "--run-dir",
+                     str(root / "run"), f"--model.checkpoint={start}", *RUN],
+                    capture_output=True, text=True, timeout=600, cwd=parity.__file__.rsplit("/titan_rl/", 1)[0])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return root
 

@@ -7,7 +7,6 @@ replay) with max |dlogp| 0 and index disagreement 0 at every step."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,8 @@ pytest.importorskip("transformers")
 
 from titan_rl import parity  # noqa: E402
 from titan_rl.hf_reference import hf_model  # noqa: E402
+
+import _zygote  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -58,8 +59,8 @@ def test_rl_with_index_replay_has_zero_mismatch_with_the_indexer_frozen_or_train
            "--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.prompts_per_step=2",
            "--algorithm.group_size=4", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false",
            "--rollout.index_selection=replay", f"--model.freeze_indexer={freeze}"]
-    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
-                       cwd=ROOT)
+    r = _zygote.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
+                    cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(run / "metrics.jsonl") as f:
         ms = [json.loads(ln) for ln in f if ln.strip()]

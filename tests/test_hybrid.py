@@ -30,6 +30,8 @@ from titan_rl.models.common.gdn import FreshState
 from titan_rl.models.qwen3_hybrid import FLAVORS, Qwen3HybridConfig, build
 from titan_rl.models.options import ModelOptions
 
+import _zygote
+
 
 
 # -- the model ---------------------------------------------------------------------------
@@ -341,9 +343,9 @@ def _colocated_and_separate_tp2(tmp_path_factory, args: list[str]) -> dict:
     extras = {"colocated": [], "separate_tp2": ["--rollout.placement=separate", "--rollout.engine_tp=2"]}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     dirs = {name: tmp_path_factory.mktemp(f"hybrid_{name}") for name in extras}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "titan_rl.train", "--run-dir", str(dirs[name]), *args,
-                                     *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    cwd=os.path.join(os.path.dirname(__file__), ".."))
+    procs = {name: _zygote.popen([sys.executable, "-m", "titan_rl.train", "--run-dir", str(dirs[name]), *args, *extra],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 cwd=os.path.join(os.path.dirname(__file__), ".."))
              for name, extra in extras.items()}
     try:
         outs = {name: p.communicate(timeout=300)[0] for name, p in procs.items()}

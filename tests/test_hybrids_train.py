@@ -6,7 +6,6 @@ weights, and every RL step samples with max |dlogp| = 0."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,8 @@ from safetensors.torch import load_file  # noqa: E402
 from titan_rl.hf_reference import vl_model  # noqa: E402
 from titan_rl.models.common.next import text_key  # noqa: E402
 
+import _zygote  # noqa: E402
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -31,8 +32,8 @@ def test_rl_from_a_vision_language_folder_has_zero_mismatch(tmp_path, seed):
            "--run-dir", str(run), "--model.name=auto", f"--model.checkpoint={hf}", "--training.steps=3",
            "--algorithm.sft_steps=0", "--algorithm.prompts_per_step=4", "--algorithm.group_size=4",
            "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false"]
-    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = _zygote.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                    timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "model.visual.* (21)" in r.stderr  # the one-line note for what is not loaded
     src = {text_key(k): v for k, v in load_file(str(hf / "model.safetensors")).items() if text_key(k)}

@@ -7,6 +7,8 @@ import pytest
 
 from titan_rl import charts, report
 
+import _zygote
+
 
 def _run_dir(tmp_path, mismatch=True):
     d = tmp_path / "run"
@@ -166,11 +168,9 @@ def test_bad_path_is_a_clear_error(tmp_path, capsys, kind):
 
 
 def test_cli_module_exit_code(tmp_path):
-    import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "titan_rl.report", str(tmp_path / "missing")],
-                       capture_output=True, text=True)
+    p = _zygote.run([sys.executable, "-m", "titan_rl.report", str(tmp_path / "missing")], capture_output=True, text=True)
     assert p.returncode == 2 and str(tmp_path / "missing") in p.stderr
 
 

@@ -15,6 +15,7 @@ import sys
 
 from titan_rl.run_dir import comparable, read_metrics
 
+import _zygote
 from _train_runs import ENV, SEPARATE
 
 GLM5_REPLAY = ["--config", "train_configs/rl_debug_glm5.toml", "--training.steps=3", "--algorithm.sft_steps=1",
@@ -25,8 +26,8 @@ GLM5_REPLAY = ["--config", "train_configs/rl_debug_glm5.toml", "--training.steps
 
 def test_a_separate_engine_sends_its_routes_key_sets_and_kept_sets_and_the_run_is_the_colocated_one(tmp_path):
     for name, extra in [("colocated", []), ("separate", SEPARATE)]:
-        r = subprocess.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / name), *GLM5_REPLAY,
-                            *extra], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        r = _zygote.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / name), *GLM5_REPLAY,
+                         *extra], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
         assert r.returncode == 0, f"{name}: {r.stdout[-3000:]}"
     want, got = read_metrics(tmp_path / "colocated"), read_metrics(tmp_path / "separate")
     assert [m["phase"] for m in got] == ["sft", "rl", "rl"]
@@ -41,9 +42,9 @@ def test_one_step_off_policy_the_records_are_replayed_at_the_behaviour_weights(t
     """rollout.max_off_policy_steps = 1: a rollout sampled a step ahead is rescored at the
     weights that sampled it, its records replayed there and the model's own choices at those
     weights measured against them: no mismatch, no disagreement, while policy_lag is 1."""
-    r = subprocess.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / "k1"), *GLM5_REPLAY,
-                        *SEPARATE, "--rollout.max_off_policy_steps=1"], env=ENV, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=300)
+    r = _zygote.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / "k1"), *GLM5_REPLAY,
+                     *SEPARATE, "--rollout.max_off_policy_steps=1"], env=ENV, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:]
     rl = [m for m in read_metrics(tmp_path / "k1") if m["phase"] == "rl"]
     assert [m["policy_lag"] for m in rl] == [0, 1]

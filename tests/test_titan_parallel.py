@@ -64,8 +64,22 @@ def launch(mode: str, nproc: int, tmp_path, timeout: int = 110, env_extra: dict 
     return res
 
 
-def test_fsdp2_forward_is_bitwise_and_training_works(tmp_path):
-    r = launch("fsdp", 2, tmp_path)
+# The short checks share one launch per world size (each part writes its own keys; a launch
+# is ~10 s of start-up per rank on these 2 cores). The Trainer's own run, and the longer
+# parts, launch on their own.
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch("fsdp+tp+tp_moe+gather_dp+ranks_tree", 2, tmp_path_factory.mktemp("two_ranks"), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return launch("fsdp_tp+det_fsdp_dense+det_tp_dense+ranks_tree", 4, tmp_path_factory.mktemp("four_ranks"),
+                  timeout=500)
+
+
+def test_fsdp2_forward_is_bitwise_and_training_works(two_ranks):
+    r = two_ranks
     assert r["fsdp_forward_equal"], r["fsdp_forward_maxdiff"]
     assert r["fsdp_meta_init_forward_equal"]
     assert r["fsdp_bf16_forward_equal"]
@@ -79,21 +93,19 @@ def test_fsdp2_forward_is_bitwise_and_training_works(tmp_path):
     assert r["fsdp_full_ac_grads_equal"]
 
 
-def test_tp2_forward_is_bitwise_with_tp_leaves(tmp_path):
-    r = launch("tp", 2, tmp_path)
-    _check_tp(r)
+def test_tp2_forward_is_bitwise_with_tp_leaves(two_ranks):
+    _check_tp(two_ranks)
 
 
-def test_fsdp2_x_tp2_forward_is_bitwise_with_tp_leaves(tmp_path):
-    r = launch("fsdp_tp", 4, tmp_path)  # 4 processes on 2 cores: tiny model, ~20 s
-    _check_tp(r)
+def test_fsdp2_x_tp2_forward_is_bitwise_with_tp_leaves(four_ranks):
+    _check_tp(four_ranks)  # 4 processes on 2 cores: tiny model
 
 
-def test_tp2_moe_forward_and_routes_are_bitwise(tmp_path):
+def test_tp2_moe_forward_and_routes_are_bitwise(two_ranks):
     """MoE at TP = 2 (experts sharded like the dense MLP, router replicated) == the model
     file the rollout engine builds: logits and chosen experts, fp32 and bf16; replayed
     routes are forced under TP even with a perturbed router."""
-    r = launch("tp_moe", 2, tmp_path)
+    r = two_ranks
     for tag in ("fp32", "bf16"):
         assert r[f"moe_tp_{tag}_forward_equal"], r[f"moe_tp_{tag}_forward_maxdiff"]
         assert r[f"moe_tp_{tag}_routes_equal"]
@@ -229,37 +241,37 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_ranks_tree_equals_the_gathered_tree(tmp_path, nproc):
+def test_ranks_tree_equals_the_gathered_tree(request, nproc):
     """The leaf-tree's last step over ranks (leaf_reduction.ranks_tree: an all_to_all of
     shards, then the tree on this rank's shard) gives, bit for bit and sign of zero
     included, the shard of tree_sum over every rank's whole gradient (what the all_gather
     form computed), fp32 and bf16, on the world group and on strided subgroups."""
-    r = launch("ranks_tree", nproc, tmp_path)
+    r = request.getfixturevalue("two_ranks" if nproc == 2 else "four_ranks")
     assert r["ranks_tree_equal"], r.get("ranks_tree_differ")
     assert r["ranks_tree_cases"] == 6 * (2 if nproc == 4 else 1)
 
 
-def test_gather_dp_equals_all_gather_object(tmp_path):
+def test_gather_dp_equals_all_gather_object(two_ranks):
     """The statistics' gather over data-parallel ranks (Ranks.gather_dp, tensors sent as
     bytes) returns what all_gather_object did, for every dtype and ragged lengths."""
-    r = launch("gather_dp", 2, tmp_path)
+    r = two_ranks
     assert r["gather_dp_equal"] and r["gather_dp_cases"] == 70
 
 
-def test_deterministic_reduction_fsdp4_equals_fsdp1_after_3_steps(tmp_path):
+def test_deterministic_reduction_fsdp4_equals_fsdp1_after_3_steps(four_ranks):
     """FSDP = 4 (one leaf per rank, the shard exchange over four ranks) and FSDP = 1 train
     the same 4 leaves: weights torch.equal after 3 clipped AdamW steps, fp32 and bf16."""
-    r = launch("det_fsdp_dense", 4, tmp_path, timeout=240)
+    r = four_ranks
     for tag in ("dense", "dense_bf16"):
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
     assert r["det_min_clip_scale"] < 1
 
 
-def test_deterministic_fsdp2_x_tp2_equals_one_process_after_3_steps(tmp_path):
+def test_deterministic_fsdp2_x_tp2_equals_one_process_after_3_steps(four_ranks):
     """FSDP 2 x TP 2 (four ranks) with tp_leaves = 8 and the leaf-tree reduction: weights
     after 3 clipped AdamW steps torch.equal to one process's, dense fp32 and bf16 compute
     (MoE and hybrid are checked at TP = 2 in the launch above)."""
-    r = launch("det_tp_dense", 4, tmp_path, timeout=240)
+    r = four_ranks
     for tag in ("dense", "dense_bf16"):
         assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
     assert r["dettp_min_clip_scale"] < 1  # clipping was active

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from titan_rl import config  # noqa: E402
 
+import _zygote  # noqa: E402
 from _train_runs import (  # noqa: E402
     ENV, SEPARATE, SHORT, _comparable, _engine_processes, _metrics, _run_until, _train, uninterrupted_run,
 )
@@ -65,7 +66,7 @@ def killed_and_resumed(tmp_path_factory):
     run_b = tmp_path_factory.mktemp("killed") / "run_b"
     cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_b), *SHORT]
     env = dict(ENV, OMP_NUM_THREADS="2")
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = _zygote.popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600  # a safety net only: a loaded machine at 2 threads can be slow to step 5
     path = run_b / "metrics.jsonl"
     while time.time() < deadline:  # kill after step 5 is logged: checkpoint step-4 exists
@@ -81,7 +82,7 @@ def killed_and_resumed(tmp_path_factory):
     assert p.returncode == -signal.SIGKILL and lines >= 5, (p.returncode, lines)
     assert (run_b / "checkpoint" / "step-4").exists() and not (run_b / "checkpoint" / "step-6").exists()
     before_kill = [json.loads(ln) for ln in path.read_text().splitlines(keepends=True) if ln.endswith("\n")]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # the same command again
+    r = _zygote.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # the same command again
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run_b, before_kill
 
@@ -126,7 +127,7 @@ def test_an_rl_run_stops_in_one_line_when_its_engine_is_built_otherwise(tmp_path
                       "sys.exit(main(sys.argv[1:]))\n")
     cmd = [sys.executable, str(script), "--run-dir", str(tmp_path / "run"), *SHORT, "--algorithm.sft_steps=0",
            "--checkpoint.enable=false"]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    r = _zygote.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith(
         "error: execution contract before the first rollout: trainer and engine differ in dtype (trainer 'float32', "
@@ -249,7 +250,7 @@ def test_killed_engines_and_trainers_stop_cleanly_and_the_relaunch_continues(uni
     assert rc == 1 and len(errors) == 1, out[-3000:]
     assert "rollout engine 0" in errors[0] and "died" in errors[0] and "restart_engines" in errors[0], errors
     assert seconds < 20, seconds
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    r = _zygote.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [_comparable(m) for m in _metrics(run_b)] == [_comparable(m) for m in _metrics(run_a)]
 

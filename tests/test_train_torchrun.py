@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 from titan_rl import config  # noqa: E402
 from titan_rl.launch import free_port  # noqa: E402
 
+import _zygote  # noqa: E402
 from _train_runs import (  # noqa: E402
     BF16_RL, ENV, SEPARATE, SHORT, _comparable, _metrics, _torchrun, _train, uninterrupted_run,
 )
@@ -64,7 +65,7 @@ def bf16_alone(tmp_path_factory):
             run_dir = tmp_path_factory.mktemp(f"bf16_alone_leaves{tp_leaves}")
             cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), *BF16_RL,
                    f"--model.tp_leaves={tp_leaves}"]
-            r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+            r = _zygote.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             runs[tp_leaves] = [m for m in _metrics(run_dir) if m["phase"] == "rl"]
         return runs[tp_leaves]
@@ -121,8 +122,8 @@ def test_two_separate_engines_with_a_quantized_recipe_write_the_colocated_metric
     colocated run's once per engine. The two runs one after the other (the suite's 2 cores
     are also the other xdist worker's)."""
     for name, extra in [("colocated", []), ("separate", [*SEPARATE, "--rollout.engines=2"])]:
-        r = subprocess.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / name), *FP8_RL, *extra],
-                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        r = _zygote.run([sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / name), *FP8_RL, *extra],
+                        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
         assert r.returncode == 0, f"{name}: {r.stdout[-3000:]}"
     want, got = _metrics(tmp_path / "colocated"), _metrics(tmp_path / "separate")
     assert [m["phase"] for m in got] == ["sft", "sft", "rl", "rl"]

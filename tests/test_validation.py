@@ -6,11 +6,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 
 import pytest
+
+import _zygote
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,10 +20,10 @@ SFT = ["--training.steps=4", "--algorithm.sft_steps=5", "--lr_scheduler.warmup_s
        "--algorithm.sft_batch=8", "--checkpoint.interval=1"]
 
 
-def _cli(args, module="titan_rl.train", timeout=300):
+def _cli(args, module="titan_rl.train", timeout=300, fork=True):
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", module, *args], env=ENV, capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
+    r = _zygote.run([sys.executable, "-m", module, *args], env=ENV, capture_output=True, text=True,
+                    timeout=timeout, cwd=ROOT, fork=fork)
     r.seconds = time.perf_counter() - t0
     return r
 
@@ -211,7 +212,7 @@ def test_bad_checkpoint_folder_from_the_command_line(hf_folder, tmp_path):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     run = tmp_path_factory.mktemp("finished") / "run"
-    r = _cli(["--run-dir", str(run), *SFT])
+    r = _cli(["--run-dir", str(run), *SFT], fork=False)  # a fresh process: its console is checked
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return run, r
 
