@@ -68,18 +68,54 @@ def test_ops_contract_and_selfcheck_follow_the_dispatcher():
     assert all(".triton_impl" in fn.__module__ for fn in probed.values())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_equals_trainer_dense_on_cpu(dtype, rng):
-    """titan_rl.paged_decode (the engine side gpu_check.py drives) on the CPU column."""
+@pytest.mark.parametrize("arch, dtype", [(a, torch.float32) for a in ("qwen3", "llama", "qwen3_moe", "qwen3_hybrid",
+                                                                       "qwen3_5", "qwen3_5_moe", "qwen3_next",
+                                                                       "glm_moe_dsa")] +
+                         [(a, torch.bfloat16) for a in ("qwen3", "qwen3_hybrid", "glm_moe_dsa")])
+def test_paged_decode_equals_trainer_dense_on_cpu(arch, dtype, rng):
+    """titan_rl.paged_decode (the engine side gpu_check.py drives) on the CPU column, for every
+    architecture: its KV pages, carried recurrent states or latent pages give the trainer's
+    bits at every position (3 sequences of 37 tokens, chunks of 5..7 then decodes)."""
     from titan_rl.paged_decode import paged_logits
+    from titan_rl.registry import get_architecture, list_architectures
 
-    m = qwen3.build("debug", hidden_size=88, intermediate_size=200).init_weights(int(torch.randint(0, 2**31, (1,),
-                                                                                                  generator=rng)))
-    m = m.to(dtype)
+    assert sorted(list_architectures()) == sorted(test_paged_decode_equals_trainer_dense_on_cpu.archs)
+    spec = get_architecture(arch)
+    m = spec.build(next(iter(spec.flavors))).init_weights(int(torch.randint(0, 2**31, (1,), generator=rng)), 0.05)
+    m = m.to(dtype).eval()
     tokens = torch.randint(0, m.cfg.vocab_size, (3, 37), generator=rng)
     with torch.no_grad():
         dense = m(tokens)
     assert torch.equal(dense, paged_logits(m, tokens, prefill=5))
+
+
+test_paged_decode_equals_trainer_dense_on_cpu.archs = ["qwen3", "llama", "qwen3_moe", "qwen3_hybrid", "qwen3_5",
+                                                       "qwen3_5_moe", "qwen3_next", "glm_moe_dsa"]
+
+
+def test_paged_decode_needs_the_carried_state_and_the_pages(rng, monkeypatch):
+    """The parity above is not vacuous: a hybrid whose decode steps start from zero states, or
+    a GLM-5 whose latent rows land one page off, no longer gives the trainer's logits."""
+    from titan_rl import paged_decode
+    from titan_rl.models import qwen3_hybrid
+    from titan_rl.registry import get_architecture
+
+    tokens = torch.randint(0, 900, (2, 21), generator=rng)
+    hybrid = qwen3_hybrid.build("debug_hybrid").init_weights(5, 0.05).eval()
+    glm = get_architecture("glm_moe_dsa").build("debug_glm5").init_weights(5, 0.05).eval()
+    with torch.no_grad():
+        want = {"hybrid": hybrid(tokens), "glm": glm(tokens)}
+    with monkeypatch.context() as mp:
+        mp.setattr(paged_decode._CarriedState, "initial", lambda self, i: (None, None))
+        assert not torch.equal(paged_decode.paged_logits(hybrid, tokens), want["hybrid"])
+    with monkeypatch.context() as mp:
+        slots = paged_decode._Pages.slots
+        mp.setattr(paged_decode._Pages, "slots", lambda self, o, p: (slots(self, o, p) + self.page) % (self.n_pages * self.page))
+        try:  # rows read from the wrong pages: other bits, or NaN that the router refuses
+            assert not torch.equal(paged_decode.paged_logits(glm, tokens), want["glm"])
+        except ValueError as e:
+            assert "NaN" in str(e)
+    assert torch.equal(paged_decode.paged_logits(glm, tokens), want["glm"])
 
 
 def test_torchtitan_on_cuda_gets_no_cpu_shims():

@@ -3,8 +3,10 @@
 The interpreter tests (tests/test_triton_kernels.py) run the kernels' semantics on CPU; the
 compiler's frontend is stricter (types of values carried across branches and loops,
 what a constexpr may be), so each kernel is also compiled with `triton.compile` for
-GPUTarget("cuda", 90, 32), in bf16 where the dtype follows the model's. Skipped where
-this triton has no CUDA backend or runs as the interpreter.
+GPUTarget("cuda", 90, 32), in bf16 where the dtype follows the model's, and its PTX must hold
+no TF32 instruction (an fp32 `tl.dot` without input_precision="ieee" is TF32 on a GPU and
+exact under the interpreter, so only the compiler shows it). Skipped where this triton has
+no CUDA backend or runs as the interpreter.
 """
 
 import os
@@ -41,6 +43,8 @@ KERNELS = [
     (lm._log_softmax_kernel, {"x_ptr": F32, "y_ptr": F32}, {"BLOCK_V": lm.BLOCK_V}),
     (at._attention_kernel, {"qsl_ptr": I32, "seqlen_ptr": I32, "bt_ptr": I32},
      {"BLOCK": at.BLOCK, "BLOCK_R": at.BLOCK_R, "BLOCK_D": 128}),
+    (at._attention_kernel, {"q_ptr": F32, "k_ptr": F32, "v_ptr": F32, "o_ptr": F32, "qsl_ptr": I32,  # an fp32 model
+                            "seqlen_ptr": I32, "bt_ptr": I32}, {"BLOCK": at.BLOCK, "BLOCK_R": at.BLOCK_R, "BLOCK_D": 128}),
     (gd._gdn_recurrent_kernel, {"g_ptr": F32, "b_ptr": F32, "cu_ptr": I64, "s0_ptr": F32, "o_ptr": F32, "sN_ptr": F32},
      {"HAS_S0": True, "BLOCK_K": 64, "BLOCK_V": gd.BLOCK_V}),
     (ew._silu_mul_kernel, {}, {"BLOCK": ew.BLOCK}),
@@ -59,6 +63,11 @@ KERNELS = [
     (ix._select_kernel, {"key_ptr": I32, "pos_ptr": I64, "out_ptr": I64}, {"BLOCK_S": ix.BLOCK_S}),
     (sa._sparse_attention_kernel, {"bt_ptr": I64, "seq_ptr": I64, "ind_ptr": I64},
      {"BLOCK_N": sa.BLOCK_N, "BLOCK_H": sa.BLOCK_H, "BLOCK_D": sa.BLOCK_D, "BLOCK_DV": sa.BLOCK_DV}),
+    (ix._index_scores_kernel, {"q_ptr": F32, "w_ptr": F32, "c_ptr": F32, "bt_ptr": I64, "seq_ptr": I64,
+                               "pos_ptr": I64, "key_ptr": I32}, {"BLOCK_N": ix.BLOCK_N, "BLOCK_H": 32, "BLOCK_D": 128}),
+    (sa._sparse_attention_kernel, {"q_ptr": F32, "c_ptr": F32, "o_ptr": F32, "bt_ptr": I64, "seq_ptr": I64,
+                                   "ind_ptr": I64},
+     {"BLOCK_N": sa.BLOCK_N, "BLOCK_H": sa.BLOCK_H, "BLOCK_D": sa.BLOCK_D, "BLOCK_DV": sa.BLOCK_DV}),
 ]
 
 
@@ -75,7 +84,8 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
 
 
 @pytest.mark.parametrize("fn, pointers, constexprs", KERNELS,
-                         ids=[f"{getattr(k[0], 'fn', k[0]).__name__}-{'fp32' if k[1].get('x_ptr') == F32 else 'bf16'}" for k in KERNELS])
+                         ids=[f"{getattr(k[0], 'fn', k[0]).__name__}-{'fp32' if F32 in (k[1].get('x_ptr'), k[1].get('q_ptr')) else 'bf16'}"
+                              for k in KERNELS])
 def test_kernel_compiles_for_sm90(fn, pointers, constexprs):
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         pytest.skip("the kernel modules were imported under the Triton interpreter in this process")
@@ -87,3 +97,6 @@ def test_kernel_compiles_for_sm90(fn, pointers, constexprs):
             pytest.skip(f"no CUDA backend in this triton: {e}")
         raise
     assert compiled.asm["cubin"]
+    # the TF32 trap: an fp32 tl.dot without input_precision="ieee" compiles to TF32 MMAs
+    # (10-bit mantissa); every dot here is meant to be exact in its operands' precision
+    assert "tf32" not in compiled.asm["ptx"], "a tl.dot compiles to TF32: pass input_precision='ieee'"
