@@ -3,7 +3,7 @@
     python scripts/gpu_check.py [--json OUT]                                  # on a CUDA GPU
     TRITON_INTERPRET=1 python scripts/gpu_check.py --cpu-interpret [--json OUT]  # on CPU
 
-(a) invariance: each Triton kernel (kernels/*/triton_impl.py, as the dispatcher picks them)
+(a) invariance: each Triton kernel (kernels/*/triton_impl.py, as the dispatcher picks them, GLM-5's included)
     on batches of 1..N rows (N = 1024 on the GPU; sequences for attention and GDN): every
     row of every batch, a row alone included, equals the same row of the largest batch,
     torch.equal. The known traps: the linear at K = 512, 1024, 2048, 4096 (where vLLM's
@@ -151,7 +151,7 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
 
     from titan_rl.kernels.attention import triton_impl as at
     from titan_rl.kernels.elementwise import triton_impl as ew
-    from titan_rl.kernels.gdn import l2norm
+    from titan_rl.kernels.gdn import l2norm, lane_stable
     from titan_rl.kernels.gdn import triton_impl as gd
     from titan_rl.kernels.lm_head import triton_impl as lm
     from titan_rl.kernels.matmul import triton_impl as mm
@@ -182,6 +182,9 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
     top_k = torch.randint(0, 60, (R,), generator=g).to(dev)
     top_p = (0.5 + 0.5 * torch.rand(R, generator=g)).to(dev)
     checks: dict[str, bool] = {}
+    from titan_rl.kernels.indexer import triton_impl as ix
+    from titan_rl.kernels.layernorm import triton_impl as ln
+    from titan_rl.kernels.sparse_attention import triton_impl as sa
 
     def check(name, fn):
         checks[name] = _guarded(name, fn)
@@ -197,6 +200,54 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
     check("moe_experts", lambda: _row_check(lambda b: mo.moe_experts(h[:b], ids_w[1][:b], ids_w[0][:b], experts), R,
                                             sz.batches))
     check("drop_mask", lambda: _row_check(lambda b: sp.drop_mask(logits[:b], top_k[:b], top_p[:b]), R, sz.batches))
+    # GLM-5: LayerNorm, the sigmoid router with group limits, the indexer's top-k and the
+    # sparse attention over a paged latent cache (query rows of several sequences)
+    lb = randn(Hd, scale=0.1)
+    check("layer_norm", lambda: _row_check(lambda b: ln.layer_norm(h[:b], nw, lb, 1e-6), R, sz.batches))
+    sig_bias = randn(16, scale=0.1, dt=f32)
+    wg16 = randn(16, Hd, scale=Hd**-0.5)
+    check("router_sigmoid_topk", lambda: _row_check(
+        lambda b: mo.router_sigmoid_topk(h[:b], wg16, sig_bias, 4, 4, 2, True, 2.5, sigmoid=lambda z: lane_stable(torch.sigmoid, z))[:2], R,
+        sz.batches))
+
+    def heads_norm():  # rows invariant; the weight gradient's tree over heads and rows the same bits twice
+        hw = (xr.new_ones(D, dtype=f32) + randn(D, scale=0.01, dt=f32)).to(dtype)
+        up = randn(*xr.shape)
+        grads = []
+        for _ in range(2):
+            wq = hw.clone().requires_grad_()
+            (rn.rms_norm_heads(xr, wq, 1e-6).float() * up.float()).sum().backward()
+            grads.append(wq.grad)
+        return _row_check(lambda b: rn.rms_norm_heads(xr[:b], hw, 1e-6), R, sz.batches) and \
+            torch.equal(grads[0], grads[1]) and bool(torch.isfinite(grads[0]).all())
+
+    check("rms_norm_heads", heads_norm)
+    IH, ID, DQ, DV, TOPK, PAGE = 7, 24, 40, 24, 5, 5
+    Wc, key_off = DQ + ID + 3, DQ + 3
+    lens = [37, 6, 13, 29] if sz.interpret else [200, 7, 129, 64, 33]
+    n_pages = sum(-(-n // PAGE) for n in lens)
+    latent = torch.full((n_pages + 2, PAGE, Wc), float("nan"), dtype=dtype)
+    bt = torch.full((len(lens), max(-(-n // PAGE) for n in lens)), -7, dtype=torch.long)
+    order = (torch.randperm(n_pages, generator=g) + 2).tolist()
+    for si, n in enumerate(lens):
+        for pg in range(-(-n // PAGE)):
+            bt[si, pg] = order.pop()
+            m_ = min(PAGE, n - pg * PAGE)
+            latent[bt[si, pg], :m_] = torch.randn(m_, Wc, generator=g).to(dtype)
+    latent, bt = latent.to(dev), bt.to(dev)
+    rows_sp = [(si, p) for si, n in enumerate(lens) for p in range(n)]
+    order_r = torch.randperm(len(rows_sp), generator=g).tolist()  # rows of all sequences interleaved
+    rseq = torch.tensor([rows_sp[i][0] for i in order_r], device=dev)
+    rpos = torch.tensor([rows_sp[i][1] for i in order_r], device=dev)
+    T = len(order_r)
+    iq, iw, aq = randn(T, IH, ID), randn(T, IH, dt=f32), randn(T, IH, DQ)
+    row_batches = tuple(b for b in (1, 2, 3, 7, 16, 17, 64, 65, T) if b <= T)
+    sel = ix.index_topk(iq, iw, latent, bt, rseq, rpos, key_off, ID**-0.5, TOPK)
+    check("index_topk", lambda: _row_check(
+        lambda b: ix.index_topk(iq[:b], iw[:b], latent, bt, rseq[:b], rpos[:b], key_off, ID**-0.5, TOPK), T,
+        row_batches))
+    check("sparse_mla_attention", lambda: _row_check(
+        lambda b: sa.sparse_mla_attention(aq[:b], latent, bt, rseq[:b], sel[:b], DQ**-0.5, DV), T, row_batches))
     # the TP pieces: row invariance, and 2 "ranks" (half of K's leaves / half of the column
     # blocks each) finished by the same tree equal the one-call form, bit for bit
     kl, nl = K - K % 8, N - N % 8
