@@ -12,7 +12,7 @@ tensor-parallel pieces are composed once over each form's GEMMs, kernels/matmul/
 """
 
 from titan_rl.kernels.dispatch import (
-    attention_dense, attention_paged, gdn_recurrent, gemm_weight, index_topk, kv_cache_write, layer_norm, leaf_partials,
+    attention_dense, attention_paged, causal_conv1d, gdn_l2norm, gdn_recurrent, gemm_weight, index_topk, kv_cache_write, layer_norm, leaf_partials,
     linear, linear_k_leaves, linear_n_blocks, lm_head_logits, lm_head_weight, log_softmax_fp32, rms_norm, rms_norm_heads,
     rope, silu_mul, sparse_mla_attention, token_logprobs, tree_sum,
 )
@@ -20,6 +20,8 @@ from titan_rl.kernels.dispatch import (
 __all__ = [
     "attention_dense",
     "attention_paged",
+    "causal_conv1d",
+    "gdn_l2norm",
     "gdn_recurrent",
     "gemm_weight",
     "index_topk",

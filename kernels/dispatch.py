@@ -48,6 +48,8 @@ TABLE: dict[str, dict[str, str]] = {
                         "triton": "attention.triton_impl:attention_paged"},
     "kv_cache_write": {"torch": "attention.torch_impl:kv_cache_write", "triton": "attention.triton_impl:kv_cache_write"},
     "gdn_recurrent": {"torch": "gdn.torch_impl:gdn_recurrent", "triton": "gdn.triton_impl:gdn_recurrent"},
+    "causal_conv1d": {"torch": "gdn.torch_impl:causal_conv1d", "triton": "gdn.triton_impl:causal_conv1d"},
+    "gdn_l2norm": {"torch": "gdn.torch_impl:l2norm", "triton": "gdn.triton_impl:l2norm"},
     "router_topk": {"torch": "moe.torch_impl:router_topk", "triton": "moe.triton_impl:router_topk"},
     "drop_mask": {"torch": "sampling.torch_impl:drop_mask", "triton": "sampling.triton_impl:drop_mask"},
     "moe_experts": {"torch": "moe.torch_impl:moe_experts", "triton": "moe.triton_impl:moe_experts"},
@@ -181,6 +183,8 @@ rope = Dispatched("rope")
 silu_mul = Dispatched("silu_mul")
 token_logprobs = Dispatched("token_logprobs")
 gdn_recurrent = Dispatched("gdn_recurrent")
+causal_conv1d = Dispatched("causal_conv1d")
+gdn_l2norm = Dispatched("gdn_l2norm")
 router_topk = Dispatched("router_topk")
 moe_experts = Dispatched("moe_experts")
 drop_mask = Dispatched("drop_mask")

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_rl.kernels import (attention_dense, gdn_recurrent, index_topk, layer_norm, linear, linear_k_leaves,
-                              linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads, silu_mul, sparse_mla_attention)
+from titan_rl.kernels import (attention_dense, gdn_l2norm, gdn_recurrent, index_topk, layer_norm, linear,
+                              linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads, silu_mul,
+                              sparse_mla_attention)
 from titan_rl.kernels import rope as rope_exact
-from titan_rl.kernels.gdn import gdn_chunked, l2norm, lane_stable
+from titan_rl.kernels.gdn import gdn_chunked, lane_stable
 from titan_rl.kernels.indexer.torch_impl import key_rows
 from titan_rl.kernels.layernorm.torch_impl import layer_norm_eager
 from titan_rl.kernels.moe.torch_impl import topk_ties_low
@@ -202,7 +203,7 @@ MODE_OPS: dict[str, tuple[Callable, Callable]] = {
     "causal_attention": (attention_dense, _sdpa_causal),
     "lm_head": (lm_head_logits, _linear_fp32),
     "elementwise": (lane_stable, _plain),
-    "gdn_l2norm": (l2norm, _plain_l2norm),
+    "gdn_l2norm": (gdn_l2norm, _plain_l2norm),
     "gdn_recurrence": (gdn_recurrent, gdn_chunked),
     "index_topk": (index_topk, _index_topk_stock),
     "sparse_attention": (sparse_mla_attention, sparse_attention_eager),

@@ -3,7 +3,7 @@
     python scripts/gpu_check.py [--json OUT]                                  # on a CUDA GPU
     TRITON_INTERPRET=1 python scripts/gpu_check.py --cpu-interpret [--json OUT]  # on CPU
 
-(a) invariance: each Triton kernel (kernels/*/triton_impl.py, as the dispatcher picks them, GLM-5's included)
+(a) invariance: each Triton kernel (kernels/*/triton_impl.py, as the dispatcher picks them: all of its ops)
     on batches of 1..N rows (N = 1024 on the GPU; sequences for attention and GDN): every
     row of every batch, a row alone included, equals the same row of the largest batch,
     torch.equal. The known traps: the linear at K = 512, 1024, 2048, 4096 (where vLLM's
@@ -205,9 +205,13 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
     lb = randn(Hd, scale=0.1)
     check("layer_norm", lambda: _row_check(lambda b: ln.layer_norm(h[:b], nw, lb, 1e-6), R, sz.batches))
     sig_bias = randn(16, scale=0.1, dt=f32)
+
+    def stable_sigmoid(z):  # the model's row-stable elementwise form
+        return lane_stable(torch.sigmoid, z)
+
     wg16 = randn(16, Hd, scale=Hd**-0.5)
     check("router_sigmoid_topk", lambda: _row_check(
-        lambda b: mo.router_sigmoid_topk(h[:b], wg16, sig_bias, 4, 4, 2, True, 2.5, sigmoid=lambda z: lane_stable(torch.sigmoid, z))[:2], R,
+        lambda b: mo.router_sigmoid_topk(h[:b], wg16, sig_bias, 4, 4, 2, True, 2.5, sigmoid=stable_sigmoid)[:2], R,
         sz.batches))
 
     def heads_norm():  # rows invariant; the weight gradient's tree over heads and rows the same bits twice
@@ -320,6 +324,17 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
         return o.view(b, Tn, Hv, dv), st
 
     check("gdn_recurrent", lambda: _row_check(gdn, S, sz.seq_batches))
+    # GDN's causal conv (b sequences of 5 tokens with initial states; C odd) and its L2 norm
+    Cc = 37 if sz.interpret else 1031
+    cx, cw = randn(S * Tn, Cc), randn(Cc, 1, 4, scale=0.5)
+    c0 = randn(S, Cc, 3, dt=f32)
+
+    def conv(b):
+        y, fin = gd.causal_conv1d(cx[: b * Tn], cw, torch.arange(b + 1, device=dev) * Tn, c0[:b])
+        return y.view(b, Tn, Cc), fin
+
+    check("causal_conv1d", lambda: _row_check(conv, S, sz.seq_batches))
+    check("gdn_l2norm", lambda: _row_check(lambda b: gd.l2norm(xr[:b]), R, sz.batches))
     return checks
 
 

@@ -110,7 +110,8 @@ def test_paged_decode_needs_the_carried_state_and_the_pages(rng, monkeypatch):
         assert not torch.equal(paged_decode.paged_logits(hybrid, tokens), want["hybrid"])
     with monkeypatch.context() as mp:
         slots = paged_decode._Pages.slots
-        mp.setattr(paged_decode._Pages, "slots", lambda self, o, p: (slots(self, o, p) + self.page) % (self.n_pages * self.page))
+        mp.setattr(paged_decode._Pages, "slots",
+                   lambda self, o, p: (slots(self, o, p) + self.page) % (self.n_pages * self.page))
         try:  # rows read from the wrong pages: other bits, or NaN that the router refuses
             assert not torch.equal(paged_decode.paged_logits(glm, tokens), want["glm"])
         except ValueError as e:

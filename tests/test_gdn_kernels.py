@@ -389,14 +389,62 @@ for p in (0, 2, 5):  # prefill p tokens of sequence 2, then decode
         oo, st = ti.gdn_recurrent(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], b[lo:hi], torch.tensor([0, hi - lo]), st)
         outs.append(oo)
     assert torch.equal(torch.cat(outs), o[3:9]) and torch.equal(st[0], s[2]), p
+# the causal conv: torch_impl's bits (the same products summed in the same tap order), alone ==
+# batched, chunked == one call; C = 37 and widths not multiples of the blocks
+from titan_rl.kernels.gdn import torch_impl as tt
+C = 37
+for dt in (torch.float32, torch.bfloat16):
+    for K, with_s0 in ((4, True), (4, False), (2, True), (1, False)):
+        x = torch.randn(T, C, generator=rng).to(dt)
+        w = torch.randn(C, 1, K, generator=rng).to(dt)
+        c0 = torch.randn(5, C, K - 1, generator=rng) if with_s0 else None
+        y, f = ti.causal_conv1d(x, w, cu, c0)
+        ry, rf = tt.causal_conv1d(x, w, cu, c0)
+        assert y.dtype == dt and torch.equal(y, ry) and torch.equal(f, rf), (dt, K, with_s0)
+        for i in range(5):
+            a, e = int(cu[i]), int(cu[i + 1])
+            yi, fi = ti.causal_conv1d(x[a:e], w, torch.tensor([0, e - a]), None if c0 is None else c0[i:i + 1])
+            assert torch.equal(yi, y[a:e]) and torch.equal(fi[0], f[i]), (dt, K, i)
+        st, outs = (None if c0 is None else c0[2:3]), []
+        for lo, hi in ((3, 5), (5, 6), (6, 9)):  # sequence 2 in three calls, the state handed over
+            yy, st = ti.causal_conv1d(x[lo:hi], w, torch.tensor([0, hi - lo]), st)
+            outs.append(yy)
+        assert torch.equal(torch.cat(outs), y[3:9]) and torch.equal(st[0], f[2]), (dt, K)
+xs = [torch.randn(T, C, generator=rng), torch.randn(C, 4, generator=rng), torch.randn(5, C, 3, generator=rng)]
+ups = torch.randn(T, C, generator=rng), torch.randn(5, C, 3, generator=rng)
+grads = []
+for form in (ti, tt):  # the backward is torch_impl's gradient (summed in another order: close)
+    leaves = [t.clone().requires_grad_() for t in xs]
+    y, f = form.causal_conv1d(leaves[0], leaves[1], cu, leaves[2])
+    ((y * ups[0]).sum() + (f * ups[1]).sum()).backward()
+    grads.append([t.grad for t in leaves])
+for a, e in zip(*grads):
+    torch.testing.assert_close(a, e, rtol=0, atol=1e-5)
+# the L2 norm: within an ulp or two of fp64, rows alone == batched, any leading shape
+for dt in (torch.float32, torch.bfloat16):
+    for D in (1, 37, 128):
+        x = torch.randn(9, 3, D, generator=rng).to(dt)
+        y = ti.l2norm(x)
+        ref = x.double() / torch.sqrt((x.double() ** 2).sum(-1, keepdim=True) + 1e-6)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), ref, rtol=0, atol=4e-7)
+        assert torch.equal(ti.l2norm(x[4:5, 1:2]), y[4:5, 1:2])
+        assert torch.equal(ti.l2norm(x.reshape(-1, D)), y.reshape(-1, D))
+x = torch.randn(6, 2, 37, generator=rng)
+up = torch.randn(6, 2, 37, generator=rng)
+xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+(ti.l2norm(xa) * up).sum().backward()
+(tt.l2norm(xb) * up).sum().backward()
+assert torch.equal(xa.grad, xb.grad)  # the same eager gradient
 print("ok")
 """
 
 
-def test_triton_gdn_recurrent_in_interpreter(rng):
-    """fp32, tiny shapes, in a child process (TRITON_INTERPRET must be set before triton is
-    first imported): closeness to the reference at the exact path's tolerances, and
-    batched == alone, prefill + decode == one call, with torch.equal."""
+def test_triton_gdn_recurrent_conv_and_l2norm_in_interpreter(rng):
+    """Tiny shapes, in a child process (TRITON_INTERPRET must be set before triton is first
+    imported): the recurrence (fp32) close to the reference at the exact path's tolerances;
+    the conv (fp32, bf16) torch_impl's bits; the L2 norm close to fp64; and for each batched
+    == alone, prefill + decode == one call, with torch.equal."""
     import os
     import subprocess
     import sys

@@ -44,9 +44,13 @@ KERNELS = [
     (at._attention_kernel, {"qsl_ptr": I32, "seqlen_ptr": I32, "bt_ptr": I32},
      {"BLOCK": at.BLOCK, "BLOCK_R": at.BLOCK_R, "BLOCK_D": 128}),
     (at._attention_kernel, {"q_ptr": F32, "k_ptr": F32, "v_ptr": F32, "o_ptr": F32, "qsl_ptr": I32,  # an fp32 model
-                            "seqlen_ptr": I32, "bt_ptr": I32}, {"BLOCK": at.BLOCK, "BLOCK_R": at.BLOCK_R, "BLOCK_D": 128}),
+                            "seqlen_ptr": I32, "bt_ptr": I32},
+     {"BLOCK": at.BLOCK, "BLOCK_R": at.BLOCK_R, "BLOCK_D": 128}),
     (gd._gdn_recurrent_kernel, {"g_ptr": F32, "b_ptr": F32, "cu_ptr": I64, "s0_ptr": F32, "o_ptr": F32, "sN_ptr": F32},
      {"HAS_S0": True, "BLOCK_K": 64, "BLOCK_V": gd.BLOCK_V}),
+    (gd._conv_kernel, {"w_ptr": "*bf16", "start_ptr": I64, "seq_ptr": I64, "s0_ptr": F32, "y_ptr": F32},
+     {"K": 4, "HAS_S0": True, "BLOCK_T": gd.CONV_BLOCK_T, "BLOCK_C": gd.CONV_BLOCK_C}),
+    (gd._l2norm_kernel, {"y_ptr": F32}, {"BLOCK": 128, "LEVELS": 7}),
     (ew._silu_mul_kernel, {}, {"BLOCK": ew.BLOCK}),
     (ew._rope_kernel, {"pos_ptr": I64}, {"BLOCK_D": 128}),
     (mo._softmax_kernel, {"x_ptr": F32, "y_ptr": F32}, {"BLOCK_E": 16}),
@@ -84,8 +88,8 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
 
 
 @pytest.mark.parametrize("fn, pointers, constexprs", KERNELS,
-                         ids=[f"{getattr(k[0], 'fn', k[0]).__name__}-{'fp32' if F32 in (k[1].get('x_ptr'), k[1].get('q_ptr')) else 'bf16'}"
-                              for k in KERNELS])
+                         ids=[f"{getattr(k[0], 'fn', k[0]).__name__}-"
+                              f"{'fp32' if F32 in (k[1].get('x_ptr'), k[1].get('q_ptr')) else 'bf16'}" for k in KERNELS])
 def test_kernel_compiles_for_sm90(fn, pointers, constexprs):
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         pytest.skip("the kernel modules were imported under the Triton interpreter in this process")

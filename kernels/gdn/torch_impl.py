@@ -267,7 +267,28 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
         y = term if y is None else y + term
     if y is None:
         y = ext[tok_e]
-    end_e = cu[1:] + torch.arange(1, N + 1, device=dev) * H  # one past each sequence's last entry
-    fin_e = end_e[:, None] - H + torch.arange(H, device=dev)  # [N, H]
-    final = ext[fin_e.reshape(-1)].reshape(N, H, C).transpose(1, 2).contiguous()
-    return y.to(x.dtype), final
+    return y.to(x.dtype), _final_state(ext, cu, N, H, C)
+
+
+def _final_state(ext: torch.Tensor, cu: torch.Tensor, N: int, H: int, C: int) -> torch.Tensor:
+    """Each sequence's last H entries of the extended stream (its history, then its tokens)."""
+    end_e = cu[1:] + torch.arange(1, N + 1, device=ext.device) * H  # one past each sequence's last entry
+    fin_e = end_e[:, None] - H + torch.arange(H, device=ext.device)  # [N, H]
+    return ext[fin_e.reshape(-1)].reshape(N, H, C).transpose(1, 2).contiguous()
+
+
+def conv_final_state(x: torch.Tensor, cu_seqlens: torch.Tensor, K: int, initial_state=None) -> torch.Tensor:
+    """causal_conv1d's final state alone ([N, C, K-1] fp32: gathers, exact, differentiable)."""
+    T, C = x.shape
+    H = K - 1
+    cdt = compute_dtype(x)
+    cu, lens_l = sequence_lengths(cu_seqlens, T)
+    N = len(lens_l)
+    dev = x.device
+    seq = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(lens_l, device=dev, dtype=torch.long))
+    ext = torch.zeros(T + N * H, C, dtype=cdt, device=dev)
+    ext = ext.index_put((torch.arange(T, device=dev) + (seq + 1) * H,), x.to(cdt))
+    if initial_state is not None and H:
+        init_e = (cu[:-1] + torch.arange(N, device=dev) * H)[:, None] + torch.arange(H, device=dev)
+        ext = ext.index_put((init_e.reshape(-1),), initial_state.to(cdt).transpose(1, 2).reshape(N * H, C))
+    return _final_state(ext, cu, N, H, C)

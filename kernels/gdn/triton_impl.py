@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_rl.kernels.autograd import with_eager_backward
+from titan_rl.kernels.gdn import torch_impl
+from titan_rl.kernels.gdn.inputs import sequence_lengths
 from titan_rl.kernels.gdn.torch_impl import _GDNRecurrent
 
 BLOCK_V = 16  # value columns per program; fixed (never chosen from the batch)
@@ -109,3 +112,117 @@ def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return _GDNTriton.apply(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size)
     return _gdn_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+# -- the causal conv and the per-head L2 norm -------------------------------------------------
+# The conv is elementwise IEEE arithmetic in torch_impl (fp32 products summed over the taps
+# i = 0..K-1, rounded to x's dtype once): this form computes the same operations in the same
+# order, so it gives torch_impl's bits (torch.equal under the interpreter). The norm sums
+# the squares by torch_impl's halving tree, one program per row (row-invariant), then the
+# correctly rounded sqrt and division; it is within an ulp of torch_impl, not equal (torch
+# on CPU adds the Python eps in another precision). Both backwards are torch_impl's gradient.
+
+CONV_BLOCK_T = 16
+CONV_BLOCK_C = 64
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_kernel(x_ptr, w_ptr, start_ptr, seq_ptr, s0_ptr, y_ptr, T, C, sx_t, sw_c, ss_n, ss_c, sy_t,
+                 K: tl.constexpr, HAS_S0: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tm, cm = t < T, c < C
+    m2 = tm[:, None] & cm[None, :]
+    start = tl.load(start_ptr + t, mask=tm, other=0)
+    seq = tl.load(seq_ptr + t, mask=tm, other=0)
+    acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+    for i in tl.static_range(K):  # the taps in torch_impl's order; tap 0 starts the sum
+        u = t - (K - 1) + i
+        own = u >= start
+        xv = tl.load(x_ptr + u[:, None] * sx_t + c[None, :], mask=m2 & own[:, None], other=0.0).to(tl.float32)
+        if HAS_S0:  # positions before the sequence's first token: its initial state, oldest first
+            j = u - start + (K - 1)
+            hv = tl.load(s0_ptr + seq[:, None] * ss_n + c[None, :] * ss_c + j[:, None],
+                         mask=m2 & (~own)[:, None], other=0.0).to(tl.float32)
+            xv = tl.where(own[:, None], xv, hv)
+        term = xv * tl.load(w_ptr + c * sw_c + i, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if i == 0:
+            acc = term
+        else:
+            acc = acc + term
+    tl.store(y_ptr + t[:, None] * sy_t + c[None, :], acc, mask=m2)  # fp32: the caller rounds, as torch_impl
+
+
+def _conv_y(x, weight, cu_seqlens, initial_state):
+    T, C = x.shape
+    K = weight.shape[-1]
+    x, w = x.contiguous(), weight.contiguous()
+    cu, lens = sequence_lengths(cu_seqlens, T)
+    cu = cu.to(x.device)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=x.device),
+                                  torch.tensor(lens, device=x.device, dtype=torch.long))
+    start = cu[:-1][seq].contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    s0 = initial_state.contiguous() if initial_state is not None and K > 1 else x
+    if T and C:
+        grid = (triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, CONV_BLOCK_C))
+        _conv_kernel[grid](x, w, start, seq, s0, y, T, C, x.stride(0), w.stride(0),
+                           s0.stride(0) if s0 is not x else 0, s0.stride(1) if s0 is not x else 0, y.stride(0),
+                           K=K, HAS_S0=s0 is not x, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C,
+                           enable_fp_fusion=False)
+    return y.to(x.dtype)
+
+
+def _conv_y_eager(x, weight, cu_seqlens, initial_state):
+    return torch_impl.causal_conv1d(x, weight, cu_seqlens, initial_state)[0]
+
+
+_conv_y_op = with_eager_backward(_conv_y, _conv_y_eager)
+
+
+def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
+    """torch_impl.causal_conv1d's contract and bits; y from the kernel, the final state by
+    torch_impl's gathers (data movement only). fp64 (gradchecks) runs torch_impl."""
+    if x.dtype == torch.float64:
+        return torch_impl.causal_conv1d(x, weight, cu_seqlens, initial_state)
+    if weight.dim() == 3:
+        weight = weight[:, 0]
+    if initial_state is not None and initial_state.shape != (len(cu_seqlens) - 1, x.shape[1], weight.shape[-1] - 1):
+        raise ValueError(f"initial_state must be {(len(cu_seqlens) - 1, x.shape[1], weight.shape[-1] - 1)}, "
+                         f"got {tuple(initial_state.shape)}")
+    y = _conv_y_op(x, weight, cu_seqlens, initial_state)
+    return y, torch_impl.conv_final_state(x, cu_seqlens, weight.shape[-1], initial_state)
+
+
+@triton.jit
+def _l2norm_kernel(x_ptr, y_ptr, D, eps, sx, sy, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * sx + d, mask=d < D, other=0.0).to(tl.float32)
+    s = x * x
+    for lv in tl.static_range(LEVELS):  # torch_impl.tree_sum_last: first half + second half
+        s = tl.sum(tl.reshape(s, (2, BLOCK >> (lv + 1))), axis=0)
+    total = tl.sum(s, axis=0)  # one element
+    # correctly rounded sqrt and division (the GPU's default forms are approximate), as torch
+    tl.store(y_ptr + r * sy + d, tl.div_rn(x, tl.sqrt_rn(total + eps)), mask=d < D)
+
+
+def _l2norm(x, eps):
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d).contiguous()
+    y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(d)
+    if x2.shape[0] and d:
+        _l2norm_kernel[(x2.shape[0],)](x2, y, d, eps, x2.stride(0), y.stride(0), BLOCK=block,
+                                       LEVELS=block.bit_length() - 1, enable_fp_fusion=False)
+    return y.reshape(x.shape)
+
+
+_l2norm_op = with_eager_backward(_l2norm, torch_impl.l2norm)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """torch_impl.l2norm's contract (fp32 out; fp64 runs torch_impl)."""
+    if x.dtype == torch.float64:
+        return torch_impl.l2norm(x, eps)
+    return _l2norm_op(x, eps)

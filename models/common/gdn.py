@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_rl.kernels.gdn import causal_conv1d
+from titan_rl.kernels import causal_conv1d
 from titan_rl.kernels.reduction import broadcast_rows
 from titan_rl.models.common.transformer import MLP, Attention, CausalLM
 from titan_rl.models.layers import AttentionFn, Linear, RMSNorm
