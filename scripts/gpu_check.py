@@ -20,11 +20,17 @@
     SDPA (FlashAttention), a small-flavor decode step (paged, our kernels) vs the stock
     model (F.linear, SDPA over dense K/V), a small-flavor trainer forward+backward vs the
     stock model.
---cpu-interpret runs (a) and (b) at tiny shapes in fp32 under the Triton interpreter.
+(d) recipes: fp8_rowwise, fp8_block, mxfp8, nvfp4, nvfp4_w4a4 on the qwen3 debug flavor,
+    trainer dense forward vs paged decode, logits torch.equal (the dense form: fake-quantized
+    operands through the Triton linear). Needs torchao, which the GPU image lacks: carry its
+    wheel (README.md of the device tool: `pip download --no-deps torchao==0.18.0` for
+    python 3.12), else (d) is reported skipped.
+--cpu-interpret runs (a), (b) and (d) at tiny shapes in fp32 under the Triton interpreter.
 
 How long: sized for one 10-minute device window, not yet measured on a GPU (the one lent on
 2026-12-04 was withdrawn before the first call). The interpreter form, (a) and (b) at tiny
-shapes, took 255 s on a 2-core AMD EPYC (2026-12-04).
+shapes, took 255 s on a 2-core AMD EPYC (2026-12-04), and (d) 141 s more; all of it 927 s
+while a CI run shared the machine.
 What it prints: one line per check (ok / FAILED), one per speed row (ours ms, reference ms,
 ratio), any exception a check raised (the check fails, the run goes on), and a progress
 line per section; the JSON is rewritten after each section, so a run cut short keeps
@@ -64,7 +70,7 @@ def _import_titan_rl() -> None:
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the result here")
-    ap.add_argument("--cpu-interpret", action="store_true", help="(a) and (b) on CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--cpu-interpret", action="store_true", help="(a), (b), (d) on CPU under TRITON_INTERPRET=1")
     return ap.parse_args()
 
 
@@ -385,6 +391,48 @@ def model_parity(sz: Sizes, dev) -> tuple[dict[str, bool], dict]:
     return checks, figures
 
 
+# -- (d) quantization recipes ---------------------------------------------------------------
+
+def recipes(sz: Sizes, dev) -> tuple[dict[str, bool], dict]:
+    """Each recipe on the Triton column: the qwen3 debug flavor quantized (every decoder
+    linear), trainer dense forward vs paged prefill + decode, logits equal. On CUDA the
+    recipes are the dense form (fake-quantized weights and activations through the Triton
+    linear, as under the interpreter): one set of bits in both engines, whatever the batch.
+    Their quantizers are torchao's primitives: where torchao is not importable (the GPU
+    image has none; carry its wheel, README) the recipes are reported skipped, not passed."""
+    import torch
+
+    from titan_rl.kernels.quant.recipes import QUANT_RECIPES
+    from titan_rl.models import qwen3
+    from titan_rl.models.options import ModelOptions, Quantization
+    from titan_rl.paged_decode import paged_logits
+
+    try:
+        import torchao  # noqa: F401
+    except ImportError as e:
+        return {}, {"skipped": f"torchao is not importable here ({e}); carry its wheel to run (d)"}
+    over = dict(vocab_size=131, intermediate_size=128) if sz.interpret else {}  # widths the blocks divide
+    dtype = torch.float32 if sz.interpret else torch.bfloat16
+    B, L = (2, 5) if sz.interpret else (8, 64)
+    checks, figures = {}, {}
+    for recipe in (r for r in QUANT_RECIPES if r != "none"):
+        def one(recipe=recipe):
+            t0 = time.time()
+            m = qwen3.build("debug", ModelOptions(quantization=Quantization(recipe)), **over)
+            m = m.init_weights(1, 0.05).to(device=dev, dtype=dtype).eval()
+            tokens = torch.randint(0, m.cfg.vocab_size, (B, L), generator=torch.Generator().manual_seed(4)).to(dev)
+            with torch.no_grad():
+                dense = m(tokens)
+            paged = paged_logits(m, tokens, prefill=3)
+            figures[recipe] = {"dtype": str(dtype), "batch": B, "seq_len": L,
+                               "max_abs_dlogit": float((dense - paged).abs().max()),
+                               "seconds": round(time.time() - t0, 2)}
+            return torch.equal(dense, paged)
+
+        checks[f"recipe_{recipe}_logits_equal"] = _guarded(f"recipe_{recipe}", one)
+    return checks, figures
+
+
 # -- (c) speed (GPU) -----------------------------------------------------------------------
 
 def _ms(fn, reps: int = 20) -> float:
@@ -529,8 +577,11 @@ def main() -> int:
         save("(b) parity done")
         if not args.cpu_interpret:
             result["speed"] = speed(dev, dtype)
-    # the GPU image has none of these: the path this script checks must not need them
-    checks["imports_only_torch_and_triton"] = not any(m in sys.modules for m in ("vllm", "torchtitan", "torchao"))
+        # the GPU image has none of these: the path (a)-(c) check must not need them
+        checks["imports_only_torch_and_triton"] = not any(m in sys.modules for m in ("vllm", "torchtitan", "torchao"))
+        save("(c) speed done" if not args.cpu_interpret else "(c) skipped under the interpreter")
+        recipe_checks, result["recipes"] = recipes(sz, dev)
+        checks.update(recipe_checks)
     result["all_passed"] = all(checks.values())
     save("done")
     print(f"{'check':<40} result")

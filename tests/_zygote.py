@@ -267,6 +267,17 @@ def _child(conn, listener, msg: dict, fds: list[int]) -> None:
     raise SystemExit(code)
 
 
+def _warm_contract() -> None:
+    """The installed versions every run's execution contract records (importlib.metadata,
+    ~0.5 s, cached per process): computed here, every child inherits them. Not the platform
+    self-check, though it is cached the same way: it runs torch ops at 2 threads, and a child
+    forked after the parent has started OpenMP's thread pool hangs in its first parallel op
+    (seen here: a 3000x3000 matmul never returned)."""
+    from titan_rl.contract import versions
+
+    versions()
+
+
 def _serve(path: str) -> None:
     import importlib
 
@@ -280,6 +291,7 @@ def _serve(path: str) -> None:
 
     for name in list_architectures():  # every model folder
         get_architecture(name)
+    _warm_contract()
     # The preloaded objects never die; out of the collector's sight, the gc.collect() calls a
     # run makes (vLLM's engine start makes 7) do not walk them in every child.
     import gc

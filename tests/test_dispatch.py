@@ -132,3 +132,18 @@ def test_torchtitan_on_cuda_gets_no_cpu_shims():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-2:] == ["False", "cuda"], r.stdout
+
+
+def test_gpu_check_help_says_what_it_runs_and_how_long():
+    """scripts/gpu_check.py is the one command a user with a GPU runs (the suite never has
+    one): its --help names every section, the traps and how long it takes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for words in ("(a) invariance", "(b) parity", "(c) speed", "(d) recipes", "K = 512, 1024, 2048, 4096", "TF32",
+                  "How long", "What it prints", "--cpu-interpret"):
+        assert words in r.stdout, words
