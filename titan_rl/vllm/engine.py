@@ -7,7 +7,10 @@ explicitly; torch's thread count must be set before the engine is built.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,7 +133,26 @@ def make_llm(folder: str, settings: EngineSettings = EngineSettings()):
     if kernels == "stock" and quantization != "none":
         kwargs.update(quantization="torchao")
         kwargs["hf_overrides"]["quantization_config_dict_json"] = _torchao_config_json(STOCK_QUANTIZATION[quantization])
+    _freeze_heap()
     return LLM(**kwargs)
+
+
+_UNFREEZE_AT_EXIT = []
+
+
+def _freeze_heap() -> None:
+    """Collect once, then move every object alive now (mostly the imported modules: torch,
+    vLLM, TorchTitan, titan_rl) out of the garbage collector's sight. vLLM's engine start calls
+    gc.collect() several times and each walks the whole heap (~0.2 s apiece on these 2-core
+    EPYCs: a fresh 2-step debug RL run took 12.8-15.3 s with this, 14.4-16.6 s without,
+    three runs each, 2026-12-04); vLLM freezes the heap itself at the end of its start. At
+    exit the objects are handed back, so teardown frees them as before (frozen objects are
+    never freed, and nanobind reports Triton's as leaks)."""
+    gc.collect()
+    gc.freeze()
+    if not _UNFREEZE_AT_EXIT:
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_AT_EXIT.append(True)
 
 
 def _stock_architecture(spec, folder: str) -> dict:
@@ -151,8 +173,6 @@ def _stock_architecture(spec, folder: str) -> dict:
 def _llm_in_own_process(kwargs: dict, exact_sampling: str):
     """LLM(**kwargs) with its engine core in a child process: vLLM's multiprocessing mode
     and the two settings the plugin reads there (titan_rl.vllm.plugin)."""
-    import os
-
     import vllm.envs as envs
     from vllm import LLM
 
