@@ -2,6 +2,11 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Two xdist workers, each running 2-thread kernels or spawning 2-rank runs and engine processes,
+# share 2 cores: OpenMP threads that spin while they wait for work burn the cores the other
+# processes need (the suite's kernel files ran 4x slower spinning). Bits do not depend on it.
+# Read when libgomp loads, so before torch; `make test` exports it for every process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest  # noqa: E402
