@@ -31,6 +31,7 @@ import math
 import torch
 
 from titan_rl.kernels import attention_paged, kv_cache_write
+from titan_rl.models.common.gdn import carried_states
 from titan_rl.registry import architecture_of
 
 
@@ -59,11 +60,9 @@ class _CarriedState:
         return self
 
     def initial(self, layer_idx: int):
-        if layer_idx not in self.caches or not bool(self.has_context.any()):
-            return None, None  # every sequence of the step starts here: zero states
-        conv, rec = self.caches[layer_idx]
-        keep = self.has_context.view(-1, 1, 1)
-        return torch.where(keep, conv[self.seqs], 0.0), torch.where(keep.unsqueeze(-1), rec[self.seqs], 0.0)
+        if layer_idx not in self.caches:
+            return None, None  # no step has stored yet: every sequence starts here
+        return carried_states(*self.caches[layer_idx], self.seqs, self.has_context)
 
     def store(self, layer_idx: int, conv_state: torch.Tensor, rec_state: torch.Tensor) -> None:
         if layer_idx not in self.caches:

@@ -126,6 +126,17 @@ class LinearState(Protocol):
     def store(self, layer_idx: int, conv_state: torch.Tensor, rec_state: torch.Tensor) -> None: ...
 
 
+def carried_states(conv_cache: torch.Tensor, rec_cache: torch.Tensor, rows: torch.Tensor,
+                   has_context: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An engine's `LinearState.initial`: each sequence's (conv, recurrent) state from its
+    cache row, zeros where it has no context yet (a row's page may hold another sequence's
+    leftovers); (None, None), the kernels' own zero start, when no sequence has context."""
+    if not bool(has_context.any()):
+        return None, None
+    keep = has_context.view(-1, 1, 1)
+    return torch.where(keep, conv_cache[rows], 0.0), torch.where(keep.unsqueeze(-1), rec_cache[rows], 0.0)
+
+
 class FreshState:
     """Every sequence starts from zero state; nothing is stored (the trainer)."""
 

@@ -37,7 +37,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from titan_rl.models.common.gdn import FreshState
+from titan_rl.models.common.gdn import FreshState, carried_states
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.model import TitanForCausalLM, _attention
 
@@ -94,13 +94,7 @@ class VllmLinearState:
 
     def initial(self, layer_idx: int):
         idx, has_context = self._rows[layer_idx]
-        if not bool(has_context.any()):
-            return None, None  # every sequence starts here: zero states
-        keep = has_context.view(-1, 1, 1)
-        conv_cache, rec_cache = self.layers[layer_idx].kv_cache
-        conv = torch.where(keep, conv_cache[idx], 0.0)
-        rec = torch.where(keep.unsqueeze(-1), rec_cache[idx], 0.0)
-        return conv, rec
+        return carried_states(*self.layers[layer_idx].kv_cache, idx, has_context)
 
     def store(self, layer_idx: int, conv_state: torch.Tensor, rec_state: torch.Tensor) -> None:
         idx, _ = self._rows[layer_idx]
