@@ -350,6 +350,28 @@ def test_causal_conv1d_batched_equals_single_and_threads(dtype, rng):
                 assert _eq(_take(y, pcu, j), alone[i][0]) and _eq(s[j], alone[i][1][0]), (order, i, n)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_final_state_alone_is_the_convs_final_state(dtype, rng):
+    """The Triton conv takes its final state from conv_final_state (a gather of each
+    sequence's last K-1 inputs): the same bits, and the same gradients, as the torch conv's,
+    with sequences shorter than K-1 reaching into their initial state or zeros."""
+    from titan_rl.kernels.gdn.torch_impl import conv_final_state
+
+    for K in (4, 2, 1):
+        for lens in ([5, 0, 2, 1, 17], [0], [1, 2], [0, 0, 3]):
+            x, w, cu, s0 = _conv_inputs(rng, lens, C=37, K=K, dtype=dtype)
+            for init in (s0, None):
+                want = causal_conv1d(x, w, cu, init)[1]
+                assert _eq(conv_final_state(x, cu, K, init), want), (K, lens, init is None)
+    x, w, cu, s0 = _conv_inputs(rng, [5, 0, 2, 1, 9], C=37, dtype=dtype)
+    grads = []
+    for final in (lambda a, b: conv_final_state(a, cu, 4, b), lambda a, b: causal_conv1d(a, w, cu, b)[1]):
+        xs = [x.clone().requires_grad_(), s0.clone().requires_grad_()]
+        (final(*xs) * torch.arange(3.0)).sum().backward()
+        grads.append([t.grad for t in xs])
+    assert all(_eq(a, b) for a, b in zip(*grads))
+
+
 def test_causal_conv1d_grads_match_reference(rng):
     x, w, cu, s0 = _conv_inputs(rng, [5, 0, 2, 9])
     xs = [t.clone().requires_grad_() for t in (x, w, s0)]

@@ -278,17 +278,21 @@ def _final_state(ext: torch.Tensor, cu: torch.Tensor, N: int, H: int, C: int) ->
 
 
 def conv_final_state(x: torch.Tensor, cu_seqlens: torch.Tensor, K: int, initial_state=None) -> torch.Tensor:
-    """causal_conv1d's final state alone ([N, C, K-1] fp32: gathers, exact, differentiable)."""
+    """causal_conv1d's final state alone ([N, C, K-1] fp32: gathers, exact, differentiable):
+    each sequence's last K-1 inputs, reaching back into its initial state (zeros without one)
+    where the sequence is shorter. Gathers N x (K-1) rows, not the whole stream: the Triton
+    conv calls it per GDN layer per step."""
     T, C = x.shape
     H = K - 1
     cdt = compute_dtype(x)
-    cu, lens_l = sequence_lengths(cu_seqlens, T)
-    N = len(lens_l)
-    dev = x.device
-    seq = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(lens_l, device=dev, dtype=torch.long))
-    ext = torch.zeros(T + N * H, C, dtype=cdt, device=dev)
-    ext = ext.index_put((torch.arange(T, device=dev) + (seq + 1) * H,), x.to(cdt))
-    if initial_state is not None and H:
-        init_e = (cu[:-1] + torch.arange(N, device=dev) * H)[:, None] + torch.arange(H, device=dev)
-        ext = ext.index_put((init_e.reshape(-1),), initial_state.to(cdt).transpose(1, 2).reshape(N * H, C))
-    return _final_state(ext, cu, N, H, C)
+    cu, _ = sequence_lengths(cu_seqlens, T)
+    N, dev = cu.numel() - 1, x.device
+    rel = (cu[1:] - cu[:-1])[:, None] - H + torch.arange(H, device=dev)  # [N, H] positions in each sequence
+    if initial_state is None:
+        hist = torch.zeros(N, H, C, dtype=cdt, device=dev)
+    else:
+        hist = initial_state.to(cdt).transpose(1, 2)[torch.arange(N, device=dev)[:, None], (rel + H).clamp(0, H - 1)]
+    if T == 0 or H == 0:
+        return hist.transpose(1, 2).contiguous()
+    own = x.to(cdt)[(cu[:-1, None] + rel).clamp(0, T - 1)]
+    return torch.where((rel >= 0)[..., None], own, hist).transpose(1, 2).contiguous()
