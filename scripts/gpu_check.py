@@ -9,6 +9,10 @@
     torch.equal. The known traps: the linear at K = 512, 1024, 2048, 4096 (where vLLM's
     batch-invariant GEMM was reported to break) and odd K; fp32 linear, LM head and
     attention against fp64 (relative error < 1e-5: a TF32 dot lands near 3e-4).
+(a') the compiler: every Triton kernel compiled for sm_90 (H200) in a child process without
+    the interpreter, its PTX free of TF32 instructions (the TF32 trap as the compiler shows
+    it: an fp32 tl.dot without input_precision="ieee"; the interpreter computes it exactly,
+    so on CPU only this row can fail). Skipped, not passed, without a CUDA backend.
 (b) parity: every registered architecture (qwen3, llama, qwen3_moe, the four GDN hybrids,
     GLM-5) at its debug flavor, bf16 and fp32 on the GPU, scored by the trainer's dense
     forward vs a paged prefill + decode through the same kernels
@@ -71,6 +75,7 @@ def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--cpu-interpret", action="store_true", help="(a), (b), (d) on CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # the child of (a')
     return ap.parse_args()
 
 
@@ -122,18 +127,6 @@ def _rel_err(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def at_reference_fp64(q, k, v, scale):
-    """Causal GQA attention in fp64 (q [B, L, H, D], k/v [B, L, Hkv, D])."""
-    import torch
-
-    rep = q.shape[2] // k.shape[2]
-    qd, kd, vd = q.double(), k.double().repeat_interleave(rep, 2), v.double().repeat_interleave(rep, 2)
-    s = torch.einsum("blhd,bmhd->bhlm", qd, kd) * scale
-    L = q.shape[1]
-    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.einsum("bhlm,bmhd->blhd", s.softmax(-1), vd)
-
-
 def _equal(a, b) -> bool:
     import torch
 
@@ -156,6 +149,7 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
     import torch
 
     from titan_rl.kernels.attention import triton_impl as at
+    from titan_rl.kernels.attention.reference import attention_reference
     from titan_rl.kernels.elementwise import triton_impl as ew
     from titan_rl.kernels.gdn import l2norm, lane_stable
     from titan_rl.kernels.gdn import triton_impl as gd
@@ -286,7 +280,7 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
     # on a GPU: ||out - ref|| / ||ref|| near 3e-4 against fp64, fp32 products far under 1e-5
     xf, wf = randn(R, 1531, dt=f32), randn(300, 1531, scale=1531**-0.5, dt=f32)
     qf, kf, vf = (randn(2, 40, H if i == 0 else Hkv, D, dt=f32) for i in range(3))
-    ref_q = at_reference_fp64(qf, kf, vf, D**-0.5)
+    ref_q = attention_reference(qf.double(), kf.double(), vf.double(), D**-0.5)  # fp64 in, fp64 out
     for name, fn in {"linear_fp32": lambda: _rel_err(mm.linear(xf, wf), xf.double() @ wf.double().T),
                      "lm_head_fp32": lambda: _rel_err(lm.lm_head_logits(xf, wf), xf.double() @ wf.double().T),
                      "attention_fp32": lambda: _rel_err(at.attention_dense(qf, kf, vf, D**-0.5), ref_q)}.items():
@@ -342,6 +336,30 @@ def invariance(sz: Sizes, dev, dtype) -> dict[str, bool]:
     check("causal_conv1d", lambda: _row_check(conv, S, sz.seq_batches))
     check("gdn_l2norm", lambda: _row_check(lambda b: gd.l2norm(xr[:b]), R, sz.batches))
     return checks
+
+
+# -- (a') the compiler ------------------------------------------------------------------------
+
+def compiled() -> tuple[dict[str, bool], dict]:
+    """Every Triton kernel compiled for sm_90 (titan_rl/kernels/compile_check.py) in a child
+    process without TRITON_INTERPRET, PTX free of TF32: the TF32 trap as the compiler shows
+    it, which the interpreter (where (a)'s fp64 rows cannot fail) does not. Reported skipped,
+    not passed, where this triton has no CUDA backend."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, __file__, "--compile-only"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    if out.returncode != 0:
+        ERRORS["compiled"] = (out.stderr or out.stdout)[-600:]
+        return {"compiled": False}, {}
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    if all(v == "no cuda backend" for v in rows.values()):
+        return {}, {"skipped": "this triton has no CUDA backend here", **rows}
+    for name, v in rows.items():
+        if v not in ("ok", "tf32"):
+            ERRORS[f"compiled_{name}"] = v
+    return {f"compiled_{name}_no_tf32": v == "ok" for name, v in rows.items()}, rows
 
 
 # -- (b) model parity ----------------------------------------------------------------------
@@ -526,6 +544,12 @@ def speed(dev, dtype) -> dict:
 
 def main() -> int:
     args = _args()
+    if args.compile_only:
+        _import_titan_rl()
+        from titan_rl.kernels.compile_check import check_all
+
+        print(json.dumps(check_all()))
+        return 0
     if args.cpu_interpret:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if os.environ["TRITON_INTERPRET"] != "1":
@@ -570,6 +594,9 @@ def main() -> int:
         result["tf32_trap_rel_errors"] = TRAP_ERRORS
         result["seconds_a"] = round(time.time() - t0, 1)
         save("(a) invariance done")
+        compile_checks, result["compiled"] = compiled()
+        checks.update(compile_checks)
+        save("(a') compiled for sm_90 done")
         parity, figures = model_parity(sz, dev)
         checks.update(parity)
         result["parity"] = figures

@@ -144,6 +144,6 @@ def test_gpu_check_help_says_what_it_runs_and_how_long():
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
     r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for words in ("(a) invariance", "(b) parity", "(c) speed", "(d) recipes", "K = 512, 1024, 2048, 4096", "TF32",
-                  "How long", "What it prints", "--cpu-interpret"):
+    for words in ("(a) invariance", "(a') the compiler", "(b) parity", "(c) speed", "(d) recipes",
+                  "K = 512, 1024, 2048, 4096", "TF32", "How long", "What it prints", "--cpu-interpret"):
         assert words in r.stdout, words
