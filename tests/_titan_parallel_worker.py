@@ -560,6 +560,8 @@ def run_det_fsdp(res: dict) -> None:
         # differing shows the equality below is the leaf tree's doing.
         for det in (True, False) if tag == "dense" else (True,):
             wide = det_train(arch, flavor, mesh["dp"], det, dtype)
+            if dist.get_rank() != 0:  # the one-process run talks to no other rank: rank 0's alone
+                continue
             solo = det_train(arch, flavor, mesh["solo"], det, dtype)
             key = f"{'det' if det else 'plain'}_{tag}"
             res[f"{key}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
@@ -645,6 +647,8 @@ def run_det_fsdp_dense(res: dict) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "solo"))
     for tag, dtype in (("dense", None), ("dense_bf16", torch.bfloat16)):
         wide = det_train("qwen3", "debug", mesh["dp"], True, dtype)
+        if dist.get_rank() != 0:  # the one-process run talks to no other rank: rank 0's alone
+            continue
         solo = det_train("qwen3", "debug", mesh["solo"], True, dtype)
         res[f"det_{tag}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
         res[f"det_{tag}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
@@ -672,8 +676,10 @@ def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe",
     odd_leaves = {"next": 4, "q35": 2, "q35moe": 2}
     for tag, arch, flavor, dtype in (case for case in cases if case[0] in tags):
         leaves = odd_leaves.get(tag, DET_TP_LEAVES)
-        one = det_train(arch, flavor, solo, True, dtype, tp_leaves=leaves)
         tp = det_train(arch, flavor, mesh["dp"], True, dtype, tp_mesh=mesh["tp"], tp_leaves=leaves)
+        if dist.get_rank() != 0:  # the one-process run talks to no other rank: rank 0's alone
+            continue
+        one = det_train(arch, flavor, solo, True, dtype, tp_leaves=leaves)
         res[f"dettp_{tag}_equal"] = all(torch.equal(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_maxdiff"] = max(maxdiff(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_differ"] = sorted(n for n in one if not torch.equal(tp[n], one[n]))[:8]
