@@ -68,6 +68,27 @@ def test_ops_contract_and_selfcheck_follow_the_dispatcher():
     assert all(".triton_impl" in fn.__module__ for fn in probed.values())
 
 
+def test_every_op_of_every_architecture_has_a_triton_form():
+    """What the contract names on a GPU, for each registered architecture at each of its
+    flavors: no op "none on triton"; each one the dispatcher serves is its triton_impl form,
+    and the two that are plain torch compositions (the lane-stable elementwise, the tie-low
+    top-k) run as they are on any device."""
+    from titan_rl.contract import OPS, _resolved_name
+    from titan_rl.models.ops import MODE_OPS
+    from titan_rl.registry import get_architecture, list_architectures
+
+    device_agnostic = {"elementwise", "expert_topk"}
+    for arch in list_architectures():
+        spec = get_architecture(arch)
+        for flavor in spec.flavors:
+            m = spec.build(flavor)
+            named = {op: _resolved_name(getattr(m.ops, op), torch.device("cuda")) for op in OPS}
+            assert not [op for op, v in named.items() if v.startswith("none")], (arch, flavor, named)
+            assert all(".triton_impl." in v for op, v in named.items() if op not in device_agnostic), (arch, named)
+            assert all(named[op] == f"{MODE_OPS[op][0].__module__}.{MODE_OPS[op][0].__name__}"
+                       for op in device_agnostic), named
+
+
 @pytest.mark.parametrize("arch, dtype", [(a, torch.float32) for a in ("qwen3", "llama", "qwen3_moe", "qwen3_hybrid",
                                                                        "qwen3_5", "qwen3_5_moe", "qwen3_next",
                                                                        "glm_moe_dsa")] +
