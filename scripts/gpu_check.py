@@ -29,12 +29,12 @@
     operands through the Triton linear). Needs torchao, which the GPU image lacks: carry its
     wheel (README.md of the device tool: `pip download --no-deps torchao==0.18.0` for
     python 3.12), else (d) is reported skipped.
---cpu-interpret runs (a), (b) and (d) at tiny shapes in fp32 under the Triton interpreter.
+--cpu-interpret runs (a), (a'), (b) and (d) at tiny shapes in fp32 under the Triton interpreter.
 
 How long: sized for one 10-minute device window, not yet measured on a GPU (the one lent on
-2026-12-04 was withdrawn before the first call). The interpreter form, (a) and (b) at tiny
-shapes, took 255 s on a 2-core AMD EPYC (2026-12-04), and (d) 141 s more; all of it 927 s
-while a CI run shared the machine.
+2026-12-04 was withdrawn before the first call). The interpreter form, all of it, took 303 s
+on a quiet 2-core AMD EPYC (2026-12-04): (a) 88 s, (a') 2 s with Triton's cache warm,
+(b) 161 s, (d) 52 s.
 What it prints: one line per check (ok / FAILED), one per speed row (ours ms, reference ms,
 ratio), any exception a check raised (the check fails, the run goes on), and a progress
 line per section; the JSON is rewritten after each section, so a run cut short keeps
