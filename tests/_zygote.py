@@ -264,6 +264,8 @@ def _child(conn, listener, msg: dict, fds: list[int]) -> None:
     # 0.4 s for an exit), but frozen objects are never freed and nanobind reports Triton's as
     # leaks on stderr at the teardown, so stderr is closed once the exit handlers have run
     # (what a run prints is out by then; a test of the console launches with fork=False).
+    # A run that built an in-process engine unfreezes at exit anyway (make_llm's exit handler,
+    # there for fresh processes' consoles) and pays the collection: the gain is the others'.
     import atexit
 
     atexit._run_exitfuncs()
