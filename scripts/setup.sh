@@ -6,11 +6,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+# The compiled CPU kernels (g++ via torch.utils.cpp_extension, ~20-30 s each; kernels/cpu_ext.py).
+# On an AVX512 machine also the AVX2-only machine's build (x86-64-v3, its own folder), which
+# tests/test_masked_cpu.py runs: set-up work, not the suite's.
+build_kernels() {
+  .venv/bin/python -m titan_rl.kernels.build || { echo "[setup] building the CPU kernels failed" >&2; exit 1; }
+  if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+    TITAN_RL_CPU=avx2 .venv/bin/python -m titan_rl.kernels.build \
+      || { echo "[setup] building the AVX2 machine's CPU kernels failed" >&2; exit 1; }
+  fi
+}
 stamp=.venv/.titan_rl_setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import titan_rl, vllm, torchtitan" 2>/dev/null; then
   # kernels/csrc changed since the last build: rebuild now rather than inside a test
-  .venv/bin/python -m titan_rl.kernels.build >/dev/null || { echo "[setup] building the CPU kernels failed"; exit 1; }
+  build_kernels >/dev/null
   exit 0
 fi
 echo "[setup] creating/updating .venv (a few minutes the first time)"
@@ -29,7 +39,6 @@ quiet_pip .venv/bin/python -m pip install -q -e ".[cpu,dev]"
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import titan_rl, torchtitan.train; from vllm import LLM" 2>/dev/null \
   || { echo "[setup] import check failed"; exit 1; }
-# The compiled CPU kernels (g++ via torch.utils.cpp_extension, ~20 s; kernels/cpu_ext.py).
-.venv/bin/python -m titan_rl.kernels.build || { echo "[setup] building the CPU kernels failed"; exit 1; }
+build_kernels
 echo "$want" > "$stamp"
 echo "[setup] done"

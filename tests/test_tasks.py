@@ -13,6 +13,7 @@ from titan_rl.tasks import (
     load_task,
 )
 from titan_rl.tasks import base as tasks_base
+from titan_rl.tasks.chat import ChatTask
 
 MODEL_VOCAB = 1024  # debug flavor; config.json says bos_token_id 0, eos_token_id 1
 
@@ -241,6 +242,22 @@ def test_load_task_errors():
         load_task("titan_rl.tasks.digits:")
 
 
+class _NoSample(Task):
+    max_new_tokens = 4
+
+
+class _NoScore(ChatTask):
+    def sample(self, n, seed):
+        return []
+
+
 def test_base_task_is_abstract():
-    with pytest.raises(NotImplementedError):
-        Task().sample(1, 0)
+    with pytest.raises(TypeError, match="sample"):
+        Task()
+    with pytest.raises(TypeError, match="sample"):
+        _NoSample()
+    with pytest.raises(ValueError, match=r"_NoSample' does not implement sample, which its task base class"):
+        load_task(f"{__name__}:_NoSample")
+    # a chat task's score is its own too; refused before the constructor reads the model folder
+    with pytest.raises(ValueError, match=r"_NoScore' does not implement score, which"):
+        load_task(f"{__name__}:_NoScore", checkpoint="/nonexistent")

@@ -9,7 +9,9 @@ instead; docs/tasks.md describes both.
 
 from __future__ import annotations
 
+import abc
 import importlib
+import inspect
 import math
 import random
 from dataclasses import dataclass
@@ -157,9 +159,10 @@ def match_reward(answer: str, completion_ids: Iterable[int], tokenizer: CharToke
     return 0.5 * hits / denom
 
 
-class Task:
+class Task(abc.ABC):
     """Base class for a verifiable task. Subclasses set name, tokenizer, max_new_tokens
-    and implement sample() and reward(); sft_pairs() has a default built on sample()."""
+    and implement sample() (abstract: a class without it cannot be built) and may override
+    reward(); sft_pairs() has a default built on sample()."""
 
     name: str = "task"
     tokenizer: CharTokenizer
@@ -167,9 +170,9 @@ class Task:
     # True: the constructor takes `checkpoint`, the model folder whose tokenizer it uses
     needs_checkpoint: bool = False
 
+    @abc.abstractmethod
     def sample(self, n: int, seed: int) -> list[Example]:
         """n examples, a pure function of (n, seed); sample(n, s) is a prefix of sample(m, s) for n <= m."""
-        raise NotImplementedError
 
     def reward(self, example: Example, completion_ids: list[int]) -> float:
         """Score in [0, 1] for the sampled completion (ids after the prompt)."""
@@ -248,6 +251,10 @@ def load_task(path: str, checkpoint: str | None = None, **kwargs) -> Task:
     if isinstance(obj, type):
         if not issubclass(obj, Task):
             raise ValueError(f"load_task: {target!r} is a class but not a subclass of titan_rl.tasks.Task")
+        if inspect.isabstract(obj):
+            missing = ", ".join(sorted(obj.__abstractmethods__))
+            raise ValueError(f"load_task: {target!r} does not implement {missing}, which its task base class "
+                             f"leaves to each task")
         if obj.needs_checkpoint:
             if not checkpoint:
                 raise ValueError(f"load_task: task {path!r} uses the model's own tokenizer and chat template, read "

@@ -12,6 +12,7 @@ completion's text by one documented rule (`extract_answer`).
 
 from __future__ import annotations
 
+import abc
 import functools
 import json
 import re
@@ -215,9 +216,9 @@ class ChatTask(Task):
         text = f"{self.system}\n\n{question}" if self.system else question
         return Example(self.tokenizer.encode_prompt(text), answer, text, meta)
 
+    @abc.abstractmethod
     def score(self, answer: str, example: Example) -> float:
         """The reward in [0, 1] of the extracted `answer` to `example`."""
-        raise NotImplementedError
 
     def reward(self, example: Example, completion_ids: list[int]) -> float:
         text = self.tokenizer.decode(completion_ids)

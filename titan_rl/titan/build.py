@@ -51,11 +51,13 @@ class NullTokenizer(BaseTokenizer):
         super().__init__()
         self.n = config.vocab_size
 
+    # TorchTitan's Trainer wants a tokenizer object; titan_rl's reads text only through the
+    # task's tokenizer, so these are never called (an error, not an empty result, if they are)
     def encode(self, text, **kw):
-        raise NotImplementedError("RL prompts come from the task's tokenizer")
+        raise RuntimeError("TorchTitan's tokenizer is not titan_rl's: prompts come from the task's tokenizer")
 
     def decode(self, ids, **kw):
-        raise NotImplementedError
+        raise RuntimeError("TorchTitan's tokenizer is not titan_rl's: completions are decoded by the task's tokenizer")
 
     def get_vocab_size(self):
         return self.n
