@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_rl.kernels import (attention_dense, gdn_l2norm, gdn_recurrent, index_topk, layer_norm, linear,
                               linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads, silu_mul,
-                              sparse_mla_attention)
+                              sparse_mla_attention, tree_sum)
 from titan_rl.kernels import rope as rope_exact
 from titan_rl.kernels.gdn import gdn_chunked, lane_stable
 from titan_rl.kernels.indexer.torch_impl import key_rows
@@ -37,7 +37,7 @@ from titan_rl.kernels.moe.torch_impl import topk_ties_low
 from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quant_operands, uses_quant_gemm
 from titan_rl.kernels.quant.recipes import QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
-from titan_rl.kernels.sparse_attention.torch_impl import sparse_attention_eager
+from titan_rl.kernels.sparse_attention.torch_impl import sparse_attention_eager, sparse_attention_heads
 from titan_rl.models.options import ModelOptions
 
 
@@ -87,6 +87,19 @@ class Ops:
         if gather is not None:
             raise ValueError("head_rms_norm: gather needs tp_leaves > 0")
         return self.rms_norm(x, weight, eps)
+
+    def sparse_attention_heads(self, q, cache, block_table, row_seq, indices, scale: float, dv: int,
+                               gather=None) -> torch.Tensor:
+        """sparse_attention (the same forward bits). With the TP pieces its backward gives a
+        head's bits whatever number of heads a call holds, and the cache's gradient (a sum
+        over heads: MLA's heads share the latent rows) a fixed tree over heads
+        (kernels/sparse_attention: sparse_attention_heads); `gather` joins the TP ranks' heads."""
+        if self.tp_leaves:
+            return sparse_attention_heads(q, cache, block_table, row_seq, indices, scale, dv, self.sparse_attention,
+                                          tree_sum, gather)
+        if gather is not None:
+            raise ValueError("sparse_attention_heads: gather needs tp_leaves > 0")
+        return self.sparse_attention(q, cache, block_table, row_seq, indices, scale, dv)
 
     def partial_rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
         """RoPE on the first `rotary_dim` of each head's `d` channels, the rest passed through

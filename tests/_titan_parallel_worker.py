@@ -531,12 +531,14 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
             loss = (ce * msk.reshape(-1)).sum() / n_tok
             if coef:
                 loss = loss + coef * m.aux_loss / n_parts
+            if getattr(m, "indexer_loss", None) is not None:  # GLM-5's indexers learn from their own loss
+                loss = loss + m.indexer_loss / n_parts
             loss.backward()
         norm = leaf_reduction.grad_norm(m.parameters())
         scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
         CLIP_SCALES.append(float(scale))
         for p in m.parameters():
-            if p.grad is not None:  # GLM-5's indexers and selection biases take no gradient
+            if p.grad is not None:  # GLM-5's selection biases take no gradient
                 p.grad.mul_(scale.to(p.grad.dtype))
         opt.step()
         opt.zero_grad()
@@ -658,7 +660,7 @@ def run_det_fsdp_dense(res: dict) -> None:
 DET_TP_LEAVES = 8
 
 
-def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe", "hybrid", "next")) -> None:
+def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe", "hybrid", "next", "glm5")) -> None:
     """TP = 2 (FSDP = world / 2: 1 on two ranks, 2 on four) and one process (TP = 1), both
     with tp_leaves > 0 and the leaf-tree reduction, train the same global batch: the
     weights after DET_STEPS steps are torch.equal (fixed-shape backward pieces, fixed
@@ -671,7 +673,7 @@ def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe",
     cases = [("dense", "qwen3", "debug", None), ("dense_bf16", "qwen3", "debug", torch.bfloat16),
              ("moe", "qwen3_moe", "debug_moe", None), ("hybrid", "qwen3_hybrid", "debug_hybrid", None),
              ("next", "qwen3_next", "debug_qwen3_next", None), ("q35", "qwen3_5", "debug_qwen35", None),
-             ("q35moe", "qwen3_5_moe", "debug_qwen35_moe", None)]
+             ("q35moe", "qwen3_5_moe", "debug_qwen35_moe", None), ("glm5", "glm_moe_dsa", "debug_glm5", None)]
     # the odd flavors' value heads: 2 x 6 in Qwen3-Next's in_proj_ba, 6 in Qwen3.5's in_proj_b / a
     odd_leaves = {"next": 4, "q35": 2, "q35moe": 2}
     for tag, arch, flavor, dtype in (case for case in cases if case[0] in tags):

@@ -293,3 +293,68 @@ def test_reads_outside_the_cache_are_refused(rng):
         sparse_mla_attention(q, cache, bt, torch.tensor([1]), ind, 1.0, DV)
     with pytest.raises(RuntimeError, match="names sequence 5"):
         sparse_mla_attention(q, cache, bt, torch.tensor([5]), ind, 1.0, DV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_head_tree_backward_gives_each_split_of_the_heads_the_same_bits(rng, dtype):
+    """Ops.sparse_attention_heads (the trainer with TP pieces): MLA's heads share the latent
+    rows, so the cache's gradient sums over heads. Computed per head and added by one fixed tree
+    over all heads, it is the same whether one call holds the 5 heads or two calls ("TP ranks")
+    hold 2 and 3 and join their parts through `gather`: q's and the cache's gradients and the
+    indexer loss's target (attention_target) torch.equal. The forward is the kernel's, bit for
+    bit; the gradients are within 8 fp32 epsilons of the dense masked fp64 reference above."""
+    from titan_rl.kernels.sparse_attention.torch_impl import attention_target, sparse_attention_heads
+    from titan_rl.kernels import tree_sum
+
+    n_heads = 5
+    seqs = Seqs(rng, dtype, lens=[9, 20, 37])
+    every = [(s, p) for s, n in enumerate(seqs.lens) for p in range(n)]
+    sets = dict(zip(every, seqs.call(lambda *a: _topk(seqs, *a), every, "dense")))
+    cache, bt = seqs.dense
+    q = torch.randn(len(every), n_heads, DQ, generator=rng).to(dtype)
+    ind = torch.stack([sets[it] for it in every])
+    seq = torch.tensor([s for s, _ in every])
+    upstream = torch.randn(len(every), n_heads, DV, generator=rng).to(dtype)
+    scale = DQ ** -0.5
+
+    def grads(heads: slice, gather=None):
+        q_ = q[:, heads].detach().clone().requires_grad_()
+        c_ = cache.detach().clone().requires_grad_()
+        out = sparse_attention_heads(q_, c_, bt, seq, ind, scale, DV, sparse_mla_attention, tree_sum, gather)
+        (out.float() * upstream[:, heads].float()).sum().backward()
+        return out, q_.grad, c_.grad
+
+    out, gq, gc = grads(slice(None))
+    assert torch.equal(out, sparse_mla_attention(q, cache, bt, seq, ind, scale, DV))
+    halves = (slice(0, 2), slice(2, n_heads))
+    parts = {}
+
+    def record(key):  # a "rank" run once to learn its heads' parts (the result is not used)
+        def gather(p):
+            parts[key] = p.clone()
+            return torch.cat([p, p.new_zeros(n_heads - p.shape[0], *p.shape[1:])])
+        return gather
+
+    for h in halves:
+        grads(h, gather=record(h.start))
+    joined = torch.cat([parts[0], parts[2]])
+    split = [grads(h, gather=lambda p: joined) for h in halves]
+    assert torch.equal(torch.cat([s[1] for s in split], 1), gq)
+    assert all(torch.equal(s[2], gc) for s in split)
+
+    target = attention_target(q, cache, bt, seq, ind, scale)
+    alone = attention_target(q[:, halves[0]], cache, bt, seq, ind, scale)
+    assert not torch.equal(alone, target)  # two heads alone are another distribution
+    probs = {}
+    for h in halves:
+        attention_target(q[:, h], cache, bt, seq, ind, scale, gather=lambda p, h=h: probs.setdefault(h.start, p))
+    both = torch.cat([probs[0], probs[2]])
+    assert all(torch.equal(attention_target(q[:, h], cache, bt, seq, ind, scale, gather=lambda p: both), target)
+               for h in halves)
+
+    if dtype == torch.float32:
+        ref = _attention_grads(lambda q_, c_, *a: _dense_masked_attention(q_, c_, seq, ind, *a[3:]), q.double(),
+                               cache.double(), bt, seq, ind, upstream.double())
+        for g, r, what in zip((gq, gc), ref, ("q", "cache")):
+            err, top = float((g.double() - r).abs().max()), float(r.abs().max())
+            assert err <= 8 * torch.finfo(torch.float32).eps * top, (what, err, top)

@@ -7,6 +7,7 @@ replay) with max |dlogp| 0 and index disagreement 0 at every step."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -48,26 +49,66 @@ def test_the_issue_command_is_bitwise_with_a_nonzero_stock_column(tmp_path, seed
     assert 0 <= stock["index_disagreement"] <= 1 and stock["indexed_positions"] == exact["indexed_positions"]
 
 
+# a short RL run with index replay (1 SFT + 2 RL steps); tp_leaves = 8: the trainer's TP 2 pieces
+RL = ["--config", "train_configs/rl_debug_glm5.toml", "--training.steps=3", "--algorithm.sft_steps=1",
+      "--algorithm.prompts_per_step=2", "--algorithm.group_size=4", "--lr_scheduler.warmup_steps=1",
+      "--checkpoint.enable=false", "--rollout.index_selection=replay", "--model.tp_leaves=8"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _metrics(run) -> list[dict]:
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """{freeze: the one-process run's metrics lines}, run on first use."""
+    runs: dict = {}
+
+    def get(freeze: str) -> list[dict]:
+        if freeze not in runs:
+            run = tmp_path_factory.mktemp(f"glm5_rl_{freeze}") / "run"
+            cmd = [sys.executable, "-m", "titan_rl.train", *RL, "--run-dir", str(run), f"--model.freeze_indexer={freeze}"]
+            r = _zygote.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            runs[freeze] = _metrics(run)
+        return runs[freeze]
+
+    return get
+
+
 @pytest.mark.parametrize("freeze", ["true", "false"])
-def test_rl_with_index_replay_has_zero_mismatch_with_the_indexer_frozen_or_trained(tmp_path, freeze):
+def test_rl_with_index_replay_has_zero_mismatch_with_the_indexer_frozen_or_trained(alone, freeze):
     """The record travels and is applied without breaking bitwise RL, with the indexer frozen or
     trained by its loss (logged as indexer_loss; its moved weights reach the engine). The
     trainer's own sets equal the engine's here, so this run cannot show the override is used:
     test_glm5_vllm's test_the_rl_step_scores_the_samplers_policy_only_with_both_replays_on_a_perturbed_trainer does."""
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "titan_rl.train", "--config", "train_configs/rl_debug_glm5.toml", "--run-dir", str(run),
-           "--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.prompts_per_step=2",
-           "--algorithm.group_size=4", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false",
-           "--rollout.index_selection=replay", f"--model.freeze_indexer={freeze}"]
-    r = _zygote.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
-                    cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with open(run / "metrics.jsonl") as f:
-        ms = [json.loads(ln) for ln in f if ln.strip()]
-    rl = [m for m in ms if m["phase"] == "rl"]
+    rl = [m for m in alone(freeze) if m["phase"] == "rl"]
     assert len(rl) == 2
     for m in rl:
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0 and m["weights_checksum_equal"], m
         assert m["index_disagreement"] == 0.0 and m["expert_disagreement"] == 0.0, m
         assert m["index_bytes_per_token"] == 96, m  # 3 indexer layers x 16 positions x int16
         assert ("indexer_loss" in m) == (freeze == "false") and m.get("indexer_loss", 1) > 0, m
+
+
+def test_tensor_parallel_2_writes_the_one_process_metrics(alone, tmp_path):
+    """GLM-5 at trainer TP 2 under torchrun (each rank: its MLA heads, a slice of every expert;
+    the latent rows, the indexer and the router whole), the indexer trained by its loss: every
+    metrics line equals the one-process run's at the same tp_leaves (wall-clock aside), the
+    gradients clipped. Both layouts add the heads' parts of the latent rows' gradient and of
+    the indexer loss's target by the same fixed tree (models/glm_moe_dsa/parallelize.py)."""
+    from titan_rl.launch import free_port
+    from titan_rl.run_dir import comparable
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "titan_rl.train", *RL,
+           "--run-dir", str(tmp_path / "tp2"), "--model.freeze_indexer=false",
+           "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got, want = _metrics(tmp_path / "tp2"), alone("false")
+    assert [comparable(m) for m in got] == [comparable(m) for m in want]
+    assert any(m["grad_norm"] > 1.0 for m in want)  # max_norm = 1: the clipping acted
+    assert all(m.get("indexer_loss", 0) > 0 for m in want if m["phase"] == "rl")

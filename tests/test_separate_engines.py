@@ -63,7 +63,8 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
     (["--rollout.placement=separate", "--rollout.engine_tp=3"], r"rollout.engine_tp = 3: allowed 1 or 2"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2"], r"rollout.engine_tp = 2 needs model.tp_leaves"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.name=glm_moe_dsa", "--model.flavor=debug_glm5",
-      "--model.tp_leaves=2"], r"rollout.engine_tp = 2: 'glm_moe_dsa' has no TP plan"),
+      "--model.tp_leaves=2"], r"rollout.engine_tp = 2: 'glm_moe_dsa' runs at TP > 1 in the trainer only \(the GLM-5 "
+                              r"wrapper in vLLM .*\); allowed: 1"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.tp_leaves=2",
       "--quantization.recipe=fp8_rowwise"],
      r"quantization.recipe = 'fp8_rowwise' with rollout.engine_tp = 2: a sharded weight's scales would be taken over "
@@ -86,6 +87,13 @@ def test_qwen35_engine_tp_2_is_accepted(name, flavor):
     assert cfg.rollout.engine_tp == 2
 
 
+def test_glm5_trainer_tp_2_is_accepted():
+    """GLM-5's TP plan (MLA's heads split, the latent rows, indexer and router whole)."""
+    cfg = config.load("train_configs/rl_debug_glm5.toml", ["--parallelism.tensor_parallel_degree=2",
+                                                           "--model.tp_leaves=8"])
+    assert cfg.parallelism.tensor_parallel_degree == 2
+
+
 def test_an_engine_tp_that_does_not_divide_the_heads_is_refused(tmp_path):
     from titan_rl.checkpoint import save_hf_folder
     from titan_rl.registry import get_architecture
@@ -99,8 +107,8 @@ def test_an_engine_tp_that_does_not_divide_the_heads_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("toml, overrides, message", [
-    ("rl_debug_glm5.toml", ["--parallelism.tensor_parallel_degree=2", "--model.tp_leaves=2"],
-     r"^parallelism.tensor_parallel_degree = 2: 'glm_moe_dsa' has no TP plan \(.*\); allowed: 1$"),
+    ("rl_debug_glm5.toml", ["--parallelism.tensor_parallel_degree=2", "--model.tp_leaves=16"],
+     r"^model.tp_leaves = 16 must divide intermediate_size = 328$"),
     ("rl_debug_qwen35.toml", ["--model.tp_leaves=8"], r"^model.tp_leaves = 8 must divide linear_num_value_heads = 6$"),
     ("rl_debug_moe.toml", ["--model.name=qwen3_5_moe", "--model.flavor=debug_qwen35_moe", "--model.tp_leaves=8"],
      r"^model.tp_leaves = 8 must divide linear_num_value_heads = 6$"),

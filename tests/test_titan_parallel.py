@@ -228,14 +228,15 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     MoE, our hybrid, Qwen3-Next, Qwen3.5, Qwen3.5-MoE and GLM-5. Today's reduction (one backward per rank, the
     collective's sum) on the same fixed batches of the dense model differs, so the equality is the mechanism's doing.
     In the same launch, TP = 2 against one process, both with tp_leaves = 8 (fixed-shape
-    backward pieces, fixed trees over column blocks and heads): torch.equal weights too."""
+    backward pieces, fixed trees over column blocks and heads): torch.equal weights too, for
+    dense, MoE, the hybrid, Qwen3-Next and GLM-5 (MLA's heads split; the indexers trained)."""
     r = launch("det_fsdp+det_tp", 2, tmp_path, timeout=400)
     tags = ("dense", "dense_bf16", "moe", "hybrid", "next", "q35", "q35moe", "glm5")
     for tag in tags:
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
         assert r[f"det_{tag}_moved"] > 1e-3  # the steps changed the weights
     assert not r["plain_dense_equal"], "the collective's own sum matched too: the control shows nothing"
-    for tag in ("dense", "dense_bf16", "moe", "hybrid", "next"):
+    for tag in ("dense", "dense_bf16", "moe", "hybrid", "next", "glm5"):
         assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
     assert r["det_min_clip_scale"] < 1 and r["dettp_min_clip_scale"] < 1  # clipping was active
 

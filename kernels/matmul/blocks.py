@@ -21,6 +21,17 @@ class Gemms:
     tree_sum: Callable  # parts [2^j, ...] -> their balanced pairwise sum
 
 
+def padded_tree_sum(parts: torch.Tensor, tree: Callable) -> torch.Tensor:
+    """`tree` (a form's tree_sum) over dim 0 of any length: zeros complete it to a power of
+    two (x + 0 == x), so n parts are added by the same tree whoever holds them (the sums over
+    heads: a per-head RMSNorm's weight gradient, sparse attention's cache gradient)."""
+    n = parts.shape[0]
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        parts = torch.cat([parts, parts.new_zeros(width - n, *parts.shape[1:])])
+    return tree(parts)
+
+
 def check_leaves(k: int, k_leaves: int) -> None:
     if k_leaves < 1 or k_leaves & (k_leaves - 1):
         raise ValueError(f"k_leaves = {k_leaves} must be a power of two")

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from titan_rl.kernels.cpu_ext import ops as _ops
+from titan_rl.kernels.matmul.blocks import padded_tree_sum
 from titan_rl.kernels.matmul.torch_impl import tree_sum
 
 
@@ -42,14 +43,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _ops().rms_norm(x, weight, eps)
 
 
-def _padded_tree_sum(parts: torch.Tensor, tree: Callable) -> torch.Tensor:
-    n = parts.shape[0]
-    width = 1 << (n - 1).bit_length()
-    if width != n:  # zeros complete the tree: x + 0 == x
-        parts = torch.cat([parts, parts.new_zeros(width - n, *parts.shape[1:])])
-    return tree(parts)
-
-
 class _HeadRMSNorm(torch.autograd.Function):
     """rms_norm of x [..., H, D] by one weight [D] shared by the H heads. The input
     gradient is `_RMSNorm`'s (a row's bits depend on the row alone). The weight gradient
@@ -79,7 +72,7 @@ class _HeadRMSNorm(torch.autograd.Function):
                              for h in range(x.shape[-2])])
         if ctx.gather is not None:
             parts = ctx.gather(parts)
-        return gx, _padded_tree_sum(parts, ctx.tree).to(weight.dtype), None, None, None, None
+        return gx, padded_tree_sum(parts, ctx.tree).to(weight.dtype), None, None, None, None
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -129,7 +129,19 @@ class GlmDsaConfig:
         return self
 
     def tp_widths(self) -> dict[str, int]:
-        return {}  # no TP plan (spec.no_tp_reason): nothing for model.tp_leaves to divide
+        """The widths model.tp_leaves must divide: the column blocks of q_b_proj, kv_b_proj and
+        the MLPs' gate / up, the K-leaves of o_proj and the MLPs' down."""
+        h = self.num_attention_heads
+        widths = {"num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)": h * self.qk_head_dim,
+                  "num_attention_heads*(qk_nope_head_dim+v_head_dim)": h * (self.qk_nope_head_dim + self.v_head_dim),
+                  "num_attention_heads*v_head_dim": h * self.v_head_dim}
+        if "dense" in self.mlp_layer_types:
+            widths["intermediate_size"] = self.intermediate_size
+        if "sparse" in self.mlp_layer_types:
+            widths["moe_intermediate_size"] = self.moe_intermediate_size
+            if self.n_shared_experts:
+                widths["moe_intermediate_size*n_shared_experts"] = self.moe_intermediate_size * self.n_shared_experts
+        return widths
 
     # -- config.json ----------------------------------------------------------------------
     def hf_config(self, architecture: str = "TitanGlmMoeDsaForCausalLM", dtype: str = "bfloat16") -> dict:

@@ -163,11 +163,13 @@ class MLAttention(nn.Module):
         e = cfg.hidden_size
         self.q_a_proj = Linear(e, cfg.q_lora_rank, ops)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, ops)
-        self.q_b_proj = Linear(cfg.q_lora_rank, self.h * cfg.qk_head_dim, ops)
+        # "col" / "row": split by heads under TP (models/glm_moe_dsa/parallelize.py); kv_b_proj is
+        # only read per head (`per_head`), never called
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.h * cfg.qk_head_dim, ops, "col")
         self.kv_a_proj_with_mqa = Linear(e, self.kv_lora + self.rope_dim, ops)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, 1e-6, ops)
-        self.kv_b_proj = Linear(self.kv_lora, self.h * (self.nope + self.v), ops)
-        self.o_proj = Linear(self.h * self.v, e, ops)
+        self.kv_b_proj = Linear(self.kv_lora, self.h * (self.nope + self.v), ops, "col")
+        self.o_proj = Linear(self.h * self.v, e, ops, "row")
         self.indexer = Indexer(cfg, ops) if cfg.indexer_types[layer_idx] == "full" else None
         self.scale = cfg.qk_head_dim ** -0.5
         self.index_scale = cfg.index_head_dim ** -0.5
@@ -176,6 +178,8 @@ class MLAttention(nn.Module):
         n = cfg.max_position_embeddings
         self.indices = ChoicePoint("indices", lambda ind: compact_indices(ind, n)) if self.indexer is not None else None
         self.indexer_loss: torch.Tensor | None = None
+        # TP: joins the ranks' per-head pieces ([h, ...] -> [H, ...]); None: this module holds every head
+        self.heads_gather = None
 
     def per_head(self) -> tuple[list, list]:
         """The absorbed form's per-head weights: the engine's prepared ones, else the trainer's
@@ -227,22 +231,28 @@ class MLAttention(nn.Module):
             self.indices.record(used, own)
 
         w_uk_t, w_uv = self.per_head()
-        q_lat = torch.stack([self.ops.linear(q_nope[:, h], w_uk_t[h]) for h in range(self.h)], 1)
+        # a head's slice made contiguous: its strides then do not depend on how many heads q holds
+        q_lat = torch.stack([self.ops.linear(q_nope[:, h].contiguous(), w_uk_t[h]) for h in range(self.h)], 1)
         q_attn = torch.cat([q_lat, q_pe], -1)
-        o_lat = self.ops.sparse_attention(q_attn, view.cache, view.block_table, view.row_seq, used, self.scale,
-                                          self.kv_lora)
+        o_lat = self.attend(q_attn, view, used)
         # qi carries a graph only when the indexer's parameters take gradients (and grad is on)
         trained = self.indexer is not None and qi.requires_grad
         self.indexer_loss = self._indexer_loss(qi, wi, q_attn, view, used) if trained else None
-        o = torch.cat([self.ops.linear(o_lat[:, h], w_uv[h]) for h in range(self.h)], -1)
+        o = torch.cat([self.ops.linear(o_lat[:, h].contiguous(), w_uv[h]) for h in range(self.h)], -1)
         return self.o_proj(o), used
+
+    def attend(self, q_attn, view: KeyView, used) -> torch.Tensor:
+        """[T, H, kv_lora]: the heads' attention over their rows' selected latent rows."""
+        return self.ops.sparse_attention_heads(q_attn, view.cache, view.block_table, view.row_seq, used, self.scale,
+                                               self.kv_lora, self.heads_gather)
 
     def _indexer_loss(self, qi, wi, q_attn, view: KeyView, used) -> torch.Tensor:
         """DeepSeek-V3.2's / GLM-5's indexer loss: per row KL(p || softmax(index scores)) over the
         keys attention read, p = the attention's probabilities summed over heads, L1-normalised
         and detached; the mean over rows. Its gradient reaches the indexer's parameters only
         (its query and weights from detached inputs; its keys, channels of the cache rows, too)."""
-        target = attention_target(q_attn.detach(), view.cache, view.block_table, view.row_seq, used, self.scale)
+        target = attention_target(q_attn.detach(), view.cache, view.block_table, view.row_seq, used, self.scale,
+                                  self.heads_gather)
         off = self.kv_lora + self.rope_dim
         keys = selected_rows(view.cache, view.block_table, view.row_seq, used)[..., off:off + self.indexer.d]
         valid = used >= 0

@@ -1,8 +1,68 @@
-"""GLM-5's tensor parallelism: not written. A rank would hold whole attention heads of
-q_b_proj / kv_b_proj and their absorbed per-head pieces, while the latent cache row, the
-indexer (its own heads, summed into one score per key before the top-k) and the router stay
-replicated; the per-head absorbed GEMMs and the indexer's head sum would need the fixed leaf
-tree across ranks. Until then TP > 1 is refused with this reason."""
+"""GLM-5's tensor-parallel plan: each rank computes its share of MLA's heads; the latent rows,
+the indexer and the router stay replicated.
 
-NO_TP_REASON = ("GLM-5's TP plan is not written (MLA's absorbed per-head projections and the indexer's head-summed "
-                "scores would need the fixed leaf tree across ranks); use tensor_parallel_degree = 1 (FSDP is fine)")
+MLA: q_b_proj is split by output rows (a rank's heads' queries), kv_b_proj likewise (a rank's
+heads' W_uk / W_uv, read per head, never called), o_proj by input columns (Megatron's layout,
+as the dense attention). q_a_proj, kv_a_proj_with_mqa and their norms compute the latent rows
+every head reads, so they stay whole on every rank, which computes the same rows.
+What MLA adds to the dense plan: every head reads the same latent rows, so their gradient
+is a sum over all heads, across ranks. With tp_leaves > 0 each head's part is computed alone
+and the ranks' parts are gathered and added by one fixed tree over heads (Ops.
+sparse_attention_heads), the tree the model file uses in one process; the indexer loss's
+target (the attention summed over heads) gathers the heads' probabilities the same way.
+With tp_leaves = 0 the rows' gradient is all-reduced (copy_to_tp): close, not bitwise.
+
+The indexer stays whole: its heads are summed into one score per key before the top-k, so a
+split would need that sum across ranks in the forward; replicated, every rank picks the same
+keys from the same scores. The router and the MoE follow the Qwen MoE plan: every expert and
+the shared experts split like the dense MLP (layers `mlp_layer_types = "dense"` too).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch.distributed as dist
+from torch import nn
+
+from titan_rl.models.common.parallelize import EXPERTS, MLP
+from titan_rl.parallel.plan import TPPlan, local, reclass
+from titan_rl.parallel.tp_linear import copy_to_tp, gather_rows
+
+
+class MlaHeads(nn.Module):
+    """Re-classing mixin for MLAttention under TP: h is the rank's head count, kv_b_proj's
+    weight the rank's heads' rows."""
+
+    tp_group = None
+
+    def per_head(self):
+        if self.absorbed is not None:
+            return super().per_head()
+        return self.split_heads(local(self.kv_b_proj.weight))
+
+    def attend(self, q_attn, view, used):
+        if self.ops.tp_leaves:
+            return super().attend(q_attn, view, used)  # heads_gather joins the ranks' heads
+        return self.ops.sparse_attention(q_attn, copy_to_tp(view.cache, self.tp_group), view.block_table,
+                                         view.row_seq, used, self.scale, self.kv_lora)
+
+
+def shard_mla_heads(attn: nn.Module, group) -> None:
+    """Make an MLAttention compute this TP rank's heads (its projections are split by the plan)."""
+    reclass(attn, MlaHeads)
+    attn.tp_group = group
+    attn.heads_gather = partial(gather_rows, group=group)
+    attn.h //= dist.get_world_size(group)
+
+
+MLA = {"self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise"}
+# the routed MoE layers' shared experts (one MLP of moe_intermediate_size x n_shared_experts)
+SHARED_EXPERTS = {"mlp.shared_experts.gate_proj": "colwise", "mlp.shared_experts.up_proj": "colwise",
+                  "mlp.shared_experts.down_proj": "rowwise"}
+
+TP_PLAN = TPPlan(layer={**MLA, **MLP, **EXPERTS, **SHARED_EXPERTS}, heads={"self_attn": shard_mla_heads},
+                 divides=("num_attention_heads",))
+
+NO_ENGINE_TP_REASON = ("the GLM-5 wrapper in vLLM (titan_rl/vllm/dsa.py) has not been run sharded: the trainer's TP "
+                       "plan is, the engine's is not yet checked against it")

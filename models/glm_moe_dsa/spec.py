@@ -8,15 +8,15 @@ from __future__ import annotations
 from titan_rl.models.arch_spec import architecture_spec
 from titan_rl.models.glm_moe_dsa.config import FLAVORS, GlmDsaConfig
 from titan_rl.models.glm_moe_dsa.model import GlmMoeDsaForCausalLM
-from titan_rl.models.glm_moe_dsa.parallelize import NO_TP_REASON
+from titan_rl.models.glm_moe_dsa.parallelize import NO_ENGINE_TP_REASON, TP_PLAN
 
 SPEC = architecture_spec(
     "glm_moe_dsa", GlmMoeDsaForCausalLM, GlmDsaConfig, FLAVORS,
     vllm_architecture="TitanGlmMoeDsaForCausalLM",
     hf_architecture="GlmMoeDsaForCausalLM",
     vllm_class="titan_rl.vllm.dsa:TitanDsaForCausalLM",
-    tp_plan=None,
-    no_tp_reason=NO_TP_REASON,
+    tp_plan=TP_PLAN,
+    no_engine_tp_reason=NO_ENGINE_TP_REASON,
     moe=True,
     sparse_attention=True,
     # vLLM turns on its own MLA path (and on CPU: no prefix caching, no chunked prefill, blocks
