@@ -66,8 +66,6 @@ class ArchitectureSpec:
     # parallelism, for the reason in `no_tp_reason` (TP > 1 is refused with it)
     tp_plan: TPPlan | None = None
     no_tp_reason: str = ""
-    # why the vLLM engine cannot run the plan at TP > 1 although the trainer can ("": it can)
-    no_engine_tp_reason: str = ""
     # Requests carry a running state besides the KV cache (linear attention): the engine
     # needs vLLM's state cache, and prefix caching its "align" mode.
     recurrent_state: bool = False

@@ -112,3 +112,19 @@ def test_tensor_parallel_2_writes_the_one_process_metrics(alone, tmp_path):
     assert [comparable(m) for m in got] == [comparable(m) for m in want]
     assert any(m["grad_norm"] > 1.0 for m in want)  # max_norm = 1: the clipping acted
     assert all(m.get("indexer_loss", 0) > 0 for m in want if m["phase"] == "rl")
+
+
+def test_a_separate_engine_at_tp_2_writes_the_one_process_metrics(alone, tmp_path):
+    """The engine in its own process with two vLLM workers, each holding half of MLA's heads
+    (its absorbed per-head weights from its rows of kv_b_proj) over the same latent cache, and
+    the indexer and router whole; the key sets and routes it records replayed by the trainer:
+    every metrics line of the one-process colocated run (wall-clock aside)."""
+    from titan_rl.run_dir import comparable
+
+    cmd = [sys.executable, "-m", "titan_rl.train", *RL, "--run-dir", str(tmp_path / "run"),
+           "--model.freeze_indexer=false", "--rollout.placement=separate", "--rollout.engine_tp=2"]
+    r = _zygote.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = _metrics(tmp_path / "run")
+    assert [comparable(m) for m in got] == [comparable(m) for m in alone("false")]
+    assert all(m["weights_checksum_equal"] and m["index_bytes_per_token"] == 96 for m in got if m["phase"] == "rl")

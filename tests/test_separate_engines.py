@@ -62,9 +62,6 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
      r"rollout.max_off_policy_steps = 9: allowed 0 \(synchronous\) to 8 \(the trainer keeps one copy"),
     (["--rollout.placement=separate", "--rollout.engine_tp=3"], r"rollout.engine_tp = 3: allowed 1 or 2"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2"], r"rollout.engine_tp = 2 needs model.tp_leaves"),
-    (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.name=glm_moe_dsa", "--model.flavor=debug_glm5",
-      "--model.tp_leaves=2"], r"rollout.engine_tp = 2: 'glm_moe_dsa' runs at TP > 1 in the trainer only \(the GLM-5 "
-                              r"wrapper in vLLM .*\); allowed: 1"),
     (["--rollout.placement=separate", "--rollout.engine_tp=2", "--model.tp_leaves=2",
       "--quantization.recipe=fp8_rowwise"],
      r"quantization.recipe = 'fp8_rowwise' with rollout.engine_tp = 2: a sharded weight's scales would be taken over "
@@ -87,11 +84,13 @@ def test_qwen35_engine_tp_2_is_accepted(name, flavor):
     assert cfg.rollout.engine_tp == 2
 
 
-def test_glm5_trainer_tp_2_is_accepted():
-    """GLM-5's TP plan (MLA's heads split, the latent rows, indexer and router whole)."""
+def test_glm5_tp_2_is_accepted():
+    """GLM-5's TP plan (MLA's heads split, the latent rows, indexer and router whole), for the
+    trainer and a separate engine."""
     cfg = config.load("train_configs/rl_debug_glm5.toml", ["--parallelism.tensor_parallel_degree=2",
-                                                           "--model.tp_leaves=8"])
-    assert cfg.parallelism.tensor_parallel_degree == 2
+                                                           "--model.tp_leaves=8", "--rollout.placement=separate",
+                                                           "--rollout.engine_tp=2"])
+    assert (cfg.parallelism.tensor_parallel_degree, cfg.rollout.engine_tp) == (2, 2)
 
 
 def test_an_engine_tp_that_does_not_divide_the_heads_is_refused(tmp_path):

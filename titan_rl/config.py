@@ -423,7 +423,7 @@ def _check_placement(cfg: Config, spec) -> None:
     if r.engine_tp > 1:
         key = "rollout.engine_tp"
         _layout(layout.check_recipe, key, r.engine_tp, cfg.quantization.recipe)
-        _layout(layout.check_plan, key, r.engine_tp, spec, engine=True)
+        _layout(layout.check_plan, key, r.engine_tp, spec)
         _layout(layout.check_tp_leaves, key, r.engine_tp, cfg.model.tp_leaves,
                 why="for the engine to compute the trainer's bits")
         _layout(layout.check_widths, key, r.engine_tp, model_config(cfg), spec.tp_plan.divides)

@@ -26,14 +26,10 @@ from titan_rl.kernels.quant.recipes import check_tp_recipe as check_recipe  # no
 LEAVES_HINT = "8 covers TP 1/2/4/8"
 
 
-def check_plan(key: str, tp: int, spec, fallback: str = "", engine: bool = False) -> None:
-    """TP > 1 needs the architecture's TP plan; one without it says why. `engine`: the
-    rollout engine's TP, which an architecture may not run yet (its no_engine_tp_reason)."""
+def check_plan(key: str, tp: int, spec, fallback: str = "") -> None:
+    """TP > 1 needs the architecture's TP plan; one without it says why."""
     if tp > 1 and spec.tp_plan is None:
         raise ValueError(f"{key} = {tp}: {spec.name!r} has no TP plan ({spec.no_tp_reason}); allowed: 1{fallback}")
-    if tp > 1 and engine and spec.no_engine_tp_reason:
-        raise ValueError(f"{key} = {tp}: {spec.name!r} runs at TP > 1 in the trainer only "
-                         f"({spec.no_engine_tp_reason}); allowed: 1")
 
 
 def check_widths(key: str, tp: int, arch_cfg, fields) -> None:

@@ -10,7 +10,7 @@ is a sum over all heads, across ranks. With tp_leaves > 0 each head's part is co
 and the ranks' parts are gathered and added by one fixed tree over heads (Ops.
 sparse_attention_heads), the tree the model file uses in one process; the indexer loss's
 target (the attention summed over heads) gathers the heads' probabilities the same way.
-With tp_leaves = 0 the rows' gradient is all-reduced (copy_to_tp): close, not bitwise.
+So TP needs tp_leaves > 0 here (the start-up checks require it of the trainer and the engine).
 
 The indexer stays whole: its heads are summed into one score per key before the top-k, so a
 split would need that sum across ranks in the forward; replicated, every rank picks the same
@@ -27,7 +27,7 @@ from torch import nn
 
 from titan_rl.models.common.parallelize import EXPERTS, MLP
 from titan_rl.parallel.plan import TPPlan, local, reclass
-from titan_rl.parallel.tp_linear import copy_to_tp, gather_rows
+from titan_rl.parallel.tp_linear import gather_rows
 
 
 class MlaHeads(nn.Module):
@@ -37,19 +37,16 @@ class MlaHeads(nn.Module):
     tp_group = None
 
     def per_head(self):
-        if self.absorbed is not None:
-            return super().per_head()
+        # never the engine's prepared copies: at TP the engine has tp_leaves > 0, which prepares none
         return self.split_heads(local(self.kv_b_proj.weight))
 
-    def attend(self, q_attn, view, used):
-        if self.ops.tp_leaves:
-            return super().attend(q_attn, view, used)  # heads_gather joins the ranks' heads
-        return self.ops.sparse_attention(q_attn, copy_to_tp(view.cache, self.tp_group), view.block_table,
-                                         view.row_seq, used, self.scale, self.kv_lora)
 
 
 def shard_mla_heads(attn: nn.Module, group) -> None:
     """Make an MLAttention compute this TP rank's heads (its projections are split by the plan)."""
+    if not attn.ops.tp_leaves:
+        raise ValueError("GLM-5 at TP > 1 needs model.tp_leaves > 0: the heads' parts of the latent rows' gradient "
+                         "are added by the fixed tree over heads (an all-reduce would make them close, not bitwise)")
     reclass(attn, MlaHeads)
     attn.tp_group = group
     attn.heads_gather = partial(gather_rows, group=group)
@@ -63,6 +60,3 @@ SHARED_EXPERTS = {"mlp.shared_experts.gate_proj": "colwise", "mlp.shared_experts
 
 TP_PLAN = TPPlan(layer={**MLA, **MLP, **EXPERTS, **SHARED_EXPERTS}, heads={"self_attn": shard_mla_heads},
                  divides=("num_attention_heads",))
-
-NO_ENGINE_TP_REASON = ("the GLM-5 wrapper in vLLM (titan_rl/vllm/dsa.py) has not been run sharded: the trainer's TP "
-                       "plan is, the engine's is not yet checked against it")

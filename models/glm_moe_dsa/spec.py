@@ -8,7 +8,7 @@ from __future__ import annotations
 from titan_rl.models.arch_spec import architecture_spec
 from titan_rl.models.glm_moe_dsa.config import FLAVORS, GlmDsaConfig
 from titan_rl.models.glm_moe_dsa.model import GlmMoeDsaForCausalLM
-from titan_rl.models.glm_moe_dsa.parallelize import NO_ENGINE_TP_REASON, TP_PLAN
+from titan_rl.models.glm_moe_dsa.parallelize import TP_PLAN
 
 SPEC = architecture_spec(
     "glm_moe_dsa", GlmMoeDsaForCausalLM, GlmDsaConfig, FLAVORS,
@@ -16,7 +16,6 @@ SPEC = architecture_spec(
     hf_architecture="GlmMoeDsaForCausalLM",
     vllm_class="titan_rl.vllm.dsa:TitanDsaForCausalLM",
     tp_plan=TP_PLAN,
-    no_engine_tp_reason=NO_ENGINE_TP_REASON,
     moe=True,
     sparse_attention=True,
     # vLLM turns on its own MLA path (and on CPU: no prefix caching, no chunked prefill, blocks

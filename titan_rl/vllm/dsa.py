@@ -92,9 +92,6 @@ class TitanDsaForCausalLM(TitanForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
         cfg = self._adopt(vllm_config)
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size = {vllm_config.parallel_config.tensor_parallel_size}: GLM-5 has no "
-                             "TP plan yet (models/glm_moe_dsa/parallelize.py); use tensor_parallel_size = 1")
         self.prefixes = {i: f"{prefix}model.layers.{i}.self_attn.attn" for i in range(cfg.num_hidden_layers)}
         d = cfg.cache_head_size
         self.attn = nn.ModuleDict({

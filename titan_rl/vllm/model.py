@@ -67,7 +67,7 @@ def _shard_for_tp(net: nn.Module, spec, vllm_config: VllmConfig) -> tuple[int, i
                            where="config.json \"titan_tp_leaves\", model.tp_leaves in the config",
                            why="so that the engine's log-probs do not depend on the TP degree")
     layout.check_recipe(key, tp, net.ops.quant_recipe, recipe_key="the model's quantization recipe")
-    layout.check_plan(key, tp, spec, engine=True)
+    layout.check_plan(key, tp, spec)
     from vllm.distributed import get_tp_group
 
     group = get_tp_group()
