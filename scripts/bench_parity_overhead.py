@@ -5,7 +5,10 @@
 
 rollout: the same prompts through vLLM with our exact wrapper vs vLLM's built-in
          implementation (generated tokens/s, prefill included), each with its own sampler
-         (processed log-probs, as RL runs: ours samples through kernels.sampling).
+         (processed log-probs, as RL runs: ours samples through kernels.sampling). The
+         built-in one runs both ways, eager and vLLM's default CPU configuration
+         (torch.compile with inductor); the faster is the stock column (`stock_config`),
+         and the JSON keeps both ratios (`rollout_slowdown_vs_eager` / `_vs_compiled`).
 train:   trainer forward+backward tokens/s of our model with kernels="exact" vs
          kernels="stock" (F.linear, SDPA), same batch, interleaved repeats.
 slowdown = exact time / stock time (1.0 = free). Prints a table, writes JSON.
@@ -83,12 +86,16 @@ def bench_rollout(folder, cfg, arch, args):
     # As RL runs (titan_rl.rl.engine_link): processed log-probs, so the exact engine samples
     # through our top-k/top-p kernel; the stock engine through vLLM's own (its calls below
     # run inside vllm_own_top_k_top_p: the kernel is installed process-wide).
-    engines = {e: make_llm(folder, EngineSettings(arch=arch, kernels=e, dtype=args.dtype, kv_cache_mib=kv_mib,
-                                                  max_num_seqs=args.prompts, max_model_len=max(1024, max_len),
-                                                  logprobs_mode="processed_logprobs"))
-               for e in ("exact", "stock")}
-    own = {"exact": contextlib.nullcontext,
-           "stock": contextlib.nullcontext if args.shared_sampler else vllm_own_top_k_top_p}
+    # the stock engine both ways: eager (what RL runs use: in-place weight updates) and vLLM's
+    # default CPU configuration (torch.compile with inductor); the faster is the baseline
+    engines = {name: make_llm(folder, EngineSettings(arch=arch, kernels=kernels, dtype=args.dtype, kv_cache_mib=kv_mib,
+                                                     max_num_seqs=args.prompts, max_model_len=max(1024, max_len),
+                                                     logprobs_mode="processed_logprobs", compiled=compiled))
+               for name, kernels, compiled in (("exact", "exact", False), ("stock_eager", "stock", False),
+                                               ("stock_compiled", "stock", True))
+               if compiled <= args.compiled_stock}
+    stock_sampler = contextlib.nullcontext if args.shared_sampler else vllm_own_top_k_top_p
+    own = {e: contextlib.nullcontext if e == "exact" else stock_sampler for e in engines}
     for e, llm in engines.items():  # warm-up
         with own[e]():
             llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -103,6 +110,8 @@ def bench_rollout(folder, cfg, arch, args):
     for e in engines:
         best = min(times[e])
         out[e] = {"seconds": best, "tokens_per_s": args.prompts * args.max_tokens / best}
+    out["stock_config"] = min((e for e in engines if e != "exact"), key=lambda e: out[e]["seconds"])[len("stock_"):]
+    out["stock"] = out[f"stock_{out['stock_config']}"]
     # every prompt token and every generated token but the last goes through the model once
     out["flops"] = forward_flops(cfg, [len(p["prompt_token_ids"]) + args.max_tokens - 1 for p in prompts])
     out["prompt_tokens"] = sum(lengths)
@@ -169,6 +178,8 @@ def main(argv=None):
     ap.add_argument("--train-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-rollout", action="store_true")
+    ap.add_argument("--no-compiled-stock", dest="compiled_stock", action="store_false",
+                    help="skip vLLM's compiled stock engine (its default CPU configuration; ~25 s of compiling)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -193,6 +204,10 @@ def main(argv=None):
             del models
             res["rollout"] = bench_rollout(folder, cfg, arch, args)
         res["rollout_slowdown"] = res["rollout"]["exact"]["seconds"] / res["rollout"]["stock"]["seconds"]
+        res["stock_config"] = res["rollout"]["stock_config"]
+        for c in ("eager", "compiled"):
+            if f"stock_{c}" in res["rollout"]:
+                res[f"rollout_slowdown_vs_{c}"] = res["rollout"]["exact"]["seconds"] / res["rollout"][f"stock_{c}"]["seconds"]
     # The physical limit: every FLOP at the platform's measured GEMM peak in the dtype the
     # exact engine's GEMMs run in (kernels.matmul.gemm_dtype).
     from titan_rl.kernels.matmul.torch_impl import BF16_GEMM, gemm_dtype
@@ -205,8 +220,9 @@ def main(argv=None):
         if k in res:
             limit = res[k]["flops"] / (res["gemm_peak_gflops"] * 1e9)
             res[k]["limit_seconds"] = limit
-            for e in ("exact", "stock"):
-                res[k][e]["x_limit"] = res[k][e]["seconds"] / limit
+            for e in ("exact", "stock", "stock_eager", "stock_compiled"):
+                if e in res[k]:
+                    res[k][e]["x_limit"] = res[k][e]["seconds"] / limit
     print(f"\nmodel {label} ({res['params'] / 1e6:.0f}M parameters), prompts {res['prompt_len']} tokens, "
           f"sampler {res['sampler']}")
     print(f"{'what':28s}{'exact tok/s':>14s}{'stock tok/s':>14s}{'slowdown':>10s}"
@@ -217,6 +233,13 @@ def main(argv=None):
             print(f"{k + ' (' + args.dtype + ')':28s}{r['exact']['tokens_per_s']:>14.1f}"
                   f"{r['stock']['tokens_per_s']:>14.1f}{res[k + '_slowdown']:>9.2f}x"
                   f"{r['exact']['x_limit']:>12.1f}x{r['stock']['x_limit']:>12.1f}x")
+    if "rollout" in res:  # both stock configurations, the baseline being the faster
+        for c in ("eager", "compiled"):
+            if f"stock_{c}" in res["rollout"]:
+                s = res["rollout"][f"stock_{c}"]
+                mark = "  <- the stock column" if c == res["stock_config"] else ""
+                print(f"{'  rollout, stock ' + c:28s}{'':>14s}{s['tokens_per_s']:>14.1f}"
+                      f"{res['rollout_slowdown_vs_' + c]:>9.2f}x{'':>13s}{s['x_limit']:>12.1f}x{mark}")
     print(f"threads {res['threads']}; limit = FLOPs at the measured {res['gemm_peak_dtype']} GEMM peak "
           f"({res['gemm_peak_gflops']:.1f} GFLOP/s); bf16 GEMM form here: {BF16_GEMM}")
     if args.json:

@@ -298,3 +298,11 @@ def test_every_prepared_operand_is_read_by_the_forward(arch, flavor):
     assert roles
     for role, leaves in roles.items():  # the first that moves (an expert these tokens route to)
         assert any(moves(leaf) for leaf in leaves), f"{role}: prepared, hashed, and never read by the forward"
+
+
+def test_compiled_is_the_stock_engines_only():
+    """EngineSettings.compiled (vLLM's default CPU configuration, torch.compile: the benchmarks'
+    faster stock column) is refused for the exact engine, whose bits are its eager kernels'."""
+    with pytest.raises(ValueError, match=r"compiled = True is vLLM's compiled stock engine; the exact engine runs "
+                                         r"eager"):
+        engine_mod.make_llm("/nonexistent", engine_mod.EngineSettings(kernels="exact", compiled=True))

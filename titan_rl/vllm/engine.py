@@ -41,6 +41,9 @@ class EngineSettings:
     quantization: str = "none"  # kernels = 'stock' only; the exact engine reads the folder's recipe
     tensor_parallel_size: int = 1
     own_process: bool = False
+    # kernels = 'stock' only: vLLM's default CPU configuration (torch.compile with inductor) rather
+    # than eager; the benchmarks' faster stock column. RL runs and the exact engine stay eager.
+    compiled: bool = False
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> "EngineSettings":
@@ -91,6 +94,9 @@ def make_llm(folder: str, settings: EngineSettings = EngineSettings()):
                          "of it (hf_architecture is our own wrapper); use kernels = 'exact'")
     if kernels == "stock":
         check_stock_recipe(quantization, recipe_key="quantization", kernels_key="kernels = 'stock'")
+    if s.compiled and kernels != "stock":
+        raise ValueError("compiled = True is vLLM's compiled stock engine; the exact engine runs eager (its bits are "
+                         "the eager kernels')")
     if kernels == "stock" and (spec.recurrent_state or spec.moe or spec.stock_cpu_refusal):
         from titan_rl.checkpoint import check_hf_folder
         from titan_rl.vllm.stock_cpu import stock_cpu_problem
@@ -105,7 +111,7 @@ def make_llm(folder: str, settings: EngineSettings = EngineSettings()):
         if logprobs_mode == "processed_logprobs":
             install()
     kwargs = dict(
-        model=folder, skip_tokenizer_init=True, dtype=dtype, seed=s.seed, enforce_eager=True,
+        model=folder, skip_tokenizer_init=True, dtype=dtype, seed=s.seed, enforce_eager=not s.compiled,
         kv_cache_memory_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
         enable_prefix_caching=s.enable_prefix_caching, max_logprobs=-1, logprobs_mode=logprobs_mode,
         use_tqdm_on_load=False,
