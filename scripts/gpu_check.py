@@ -61,11 +61,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_titan_rl() -> None:
-    """Make `titan_rl.kernels` / `titan_rl.models` importable from a bare checkout."""
+    """Make `titan_rl.kernels` / `titan_rl.models` importable from a bare checkout, with
+    titan_rl's console filters on before torch and torchao load (titan_rl.quiet)."""
+    try:
+        import titan_rl  # noqa: F401  (light: imports nothing of torch's)
+    except ImportError:
+        sys.path.insert(0, str(ROOT))
+    from titan_rl import quiet
+
+    quiet.install()
     try:
         import titan_rl.kernels  # noqa: F401
     except ImportError:
-        sys.path.insert(0, str(ROOT))
         import titan_rl
 
         titan_rl.__path__.append(str(ROOT))  # titan_rl.kernels -> kernels/, titan_rl.models -> models/
