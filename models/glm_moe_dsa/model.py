@@ -234,17 +234,13 @@ class MLAttention(nn.Module):
         # a head's slice made contiguous: its strides then do not depend on how many heads q holds
         q_lat = torch.stack([self.ops.linear(q_nope[:, h].contiguous(), w_uk_t[h]) for h in range(self.h)], 1)
         q_attn = torch.cat([q_lat, q_pe], -1)
-        o_lat = self.attend(q_attn, view, used)
+        o_lat = self.ops.sparse_attention_heads(q_attn, view.cache, view.block_table, view.row_seq, used, self.scale,
+                                                self.kv_lora, self.heads_gather)
         # qi carries a graph only when the indexer's parameters take gradients (and grad is on)
         trained = self.indexer is not None and qi.requires_grad
         self.indexer_loss = self._indexer_loss(qi, wi, q_attn, view, used) if trained else None
         o = torch.cat([self.ops.linear(o_lat[:, h].contiguous(), w_uv[h]) for h in range(self.h)], -1)
         return self.o_proj(o), used
-
-    def attend(self, q_attn, view: KeyView, used) -> torch.Tensor:
-        """[T, H, kv_lora]: the heads' attention over their rows' selected latent rows."""
-        return self.ops.sparse_attention_heads(q_attn, view.cache, view.block_table, view.row_seq, used, self.scale,
-                                               self.kv_lora, self.heads_gather)
 
     def _indexer_loss(self, qi, wi, q_attn, view: KeyView, used) -> torch.Tensor:
         """DeepSeek-V3.2's / GLM-5's indexer loss: per row KL(p || softmax(index scores)) over the

@@ -34,12 +34,9 @@ class MlaHeads(nn.Module):
     """Re-classing mixin for MLAttention under TP: h is the rank's head count, kv_b_proj's
     weight the rank's heads' rows."""
 
-    tp_group = None
-
     def per_head(self):
         # never the engine's prepared copies: at TP the engine has tp_leaves > 0, which prepares none
         return self.split_heads(local(self.kv_b_proj.weight))
-
 
 
 def shard_mla_heads(attn: nn.Module, group) -> None:
@@ -48,7 +45,6 @@ def shard_mla_heads(attn: nn.Module, group) -> None:
         raise ValueError("GLM-5 at TP > 1 needs model.tp_leaves > 0: the heads' parts of the latent rows' gradient "
                          "are added by the fixed tree over heads (an all-reduce would make them close, not bitwise)")
     reclass(attn, MlaHeads)
-    attn.tp_group = group
     attn.heads_gather = partial(gather_rows, group=group)
     attn.h //= dist.get_world_size(group)
 
