@@ -25,7 +25,7 @@ train-smollm2: smollm2
 # the suite's processes outnumber the cores: OpenMP threads sleep rather than spin while they
 # wait (tests/conftest.py says why; 4x faster on the kernel tests, the same bits)
 test: setup
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 parity: setup
 	$(PY) -m titan_rl.parity --config train_configs/debug.toml --kernels both --json outputs/parity_debug.json

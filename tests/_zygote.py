@@ -11,8 +11,10 @@ What differs from a fresh process: modules imported already (their import-time m
 went to the zygote's stderr, so a test of what the console shows launches with
 `fork=False`), and variables read at import (the request falls back to a real process when
 its environment differs from the zygote's in anything but OMP_NUM_THREADS, which
-titan_rl.train applies itself through torch.set_num_threads, and PYTHONUNBUFFERED: the
-children write unbuffered).
+titan_rl.train applies itself through torch.set_num_threads, PYTHONUNBUFFERED (the children
+write unbuffered) and PYTEST_CURRENT_TEST, which pytest changes with every test: a request
+that copies os.environ carries it, and keyed on it a worker's zygote served only the test
+that started it while every later launch paid a fresh interpreter's imports).
 
 `run` is subprocess.run and `popen` subprocess.Popen for the arguments the tests use.
 """
@@ -37,7 +39,7 @@ PRELOAD = ("titan_rl.train", "titan_rl.config", "titan_rl.validation", "titan_rl
            "titan_rl.vllm.sampling", "titan_rl.vllm.weight_transfer", "titan_rl.eval", "titan_rl.parity",
            "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.v1.worker.cpu_worker",
            "vllm.v1.worker.cpu_model_runner")
-_FREE_KEYS = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
+_FREE_KEYS = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
 _ZYGOTES: dict[tuple, "_Zygote"] = {}  # one per worker: its environment is the first request's
 
 

@@ -88,11 +88,12 @@ def pytest_sessionfinish(session, exitstatus):
 # `--dist loadfile` hands files to the two workers in collection order, so the files that take
 # longest (several minutes each, measured with --durations) go first; otherwise they start last
 # and one worker runs alone for the final ten minutes. The order inside each file is kept.
-_SLOWEST_FIRST = ("test_train.py", "test_titan_parallel.py", "test_train_torchrun.py", "test_masked_cpu.py",
-                  "test_engine_link.py", "test_hybrid.py", "test_hybrids_parity.py", "test_hybrids_vllm.py",
-                  "test_invariance_guard.py", "test_separate_checks.py", "test_separate_choices.py",
-                  "test_quant_vllm.py", "test_quant_cells.py", "test_chat_tasks.py", "test_validation.py",
-                  "test_triton_kernels.py", "test_triton_glm5.py")
+_SLOWEST_FIRST = ("test_train_torchrun.py", "test_titan_parallel.py", "test_train.py", "test_validation.py",
+                  "test_hybrid.py", "test_glm5_runs.py", "test_masked_cpu.py", "test_separate_choices.py",
+                  "test_separate_checks.py", "test_chat_tasks.py", "test_engine_link.py", "test_hybrids_parity.py",
+                  "test_triton_kernels.py", "test_triton_glm5.py", "test_invariance_guard.py", "test_quant_vllm.py",
+                  "test_hybrids_vllm.py", "test_export.py", "test_moe_vllm.py", "test_quant_cells.py",
+                  "test_dispatch.py", "test_hybrids_train.py")
 
 
 def pytest_collection_modifyitems(config, items):
