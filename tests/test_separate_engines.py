@@ -66,7 +66,6 @@ def test_a_contract_sent_as_its_entries_is_the_same_contract():
       "--quantization.recipe=fp8_rowwise"],
      r"quantization.recipe = 'fp8_rowwise' with rollout.engine_tp = 2: a sharded weight's scales would be taken over "
      r"its shard .*; allowed: engine_tp = 1"),
-    (["--rollout.placement=separate", "--model.kernels=stock"], r"placement = 'separate' with model.kernels = 'stock'"),
     (["--rollout.placement=elsewhere"], r"rollout.placement"),
 ])
 def test_separate_placement_keys_are_checked_at_start(overrides, message):

@@ -205,11 +205,19 @@ def test_corrections_log_their_fractions_and_warn_when_parity_is_exact(tmp_path)
 
 def test_stock_mode_shows_the_mismatch_titan_rl_removes(tmp_path):
     """kernels = stock: vLLM's built-in Qwen3 samples (weights synced by vLLM's in-place
-    reload) and a plain torch trainer scores: the mismatch is measured and non-zero."""
-    r = _train(tmp_path, ["--model.kernels=stock", "--training.steps=5", "--lr_scheduler.warmup_steps=1",
-                          "--checkpoint.enable=false"])
+    reload) and a plain torch trainer scores: the mismatch is measured and non-zero. The same
+    stock engine in its own process (placement = separate: the weights go over our gloo
+    backend into vLLM's layerwise reload) writes the same metrics, line by line: the stock
+    column exists for separate runs too, and is the colocated one."""
+    stock = ["--model.kernels=stock", "--training.steps=5", "--lr_scheduler.warmup_steps=1",
+             "--checkpoint.enable=false"]
+    r = _train(tmp_path / "colocated", stock)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
+    r = _train(tmp_path / "separate", [*stock, *SEPARATE])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rl = [m for m in _metrics(tmp_path / "colocated") if m["phase"] == "rl"]
+    assert [_comparable(m) for m in _metrics(tmp_path / "separate")] == \
+        [_comparable(m) for m in _metrics(tmp_path / "colocated")]
     assert max(m["max_abs_dlogp"] for m in rl) > 0.0 and min(m["bitwise_fraction"] for m in rl) < 1.0
     assert all(m["weights_checksum_equal"] is None for m in rl)
     # the contract's op entries differ by design in stock mode: logged, not refused

@@ -416,10 +416,6 @@ def _check_placement(cfg: Config, spec) -> None:
                           "rescore at)")
     if r.engine_tp not in (1, 2):
         raise ConfigError(f"rollout.engine_tp = {r.engine_tp}: allowed 1 or 2")
-    if cfg.model.kernels == "stock":
-        # the post-sync check reads our wrapper's prepared operands, which vLLM's own models lack
-        raise ConfigError("rollout.placement = 'separate' with model.kernels = 'stock' is not supported: the "
-                          "engine process's weight check needs titan_rl's model; use rollout.placement = 'colocated'")
     if r.engine_tp > 1:
         key = "rollout.engine_tp"
         _layout(layout.check_recipe, key, r.engine_tp, cfg.quantization.recipe)

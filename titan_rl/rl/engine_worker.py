@@ -19,8 +19,12 @@ class TitanWorkerExtension:
         return self.model_runner.model
 
     def titan_tp_layout(self) -> dict:
-        """This worker's TP rank and degree, and the weights it holds a slice of {name: dim}."""
+        """This worker's TP rank and degree, and the weights it holds a slice of {name: dim}
+        (vLLM's own model, kernels = 'stock': its rank and degree; its slices are not ours to name)."""
         m = self._titan_model()
+        if not hasattr(m, "_tp_split"):
+            tp = self.model_runner.parallel_config.tensor_parallel_size
+            return {"rank": self.rank % tp, "tp": tp, "split": {}}
         return {"rank": m._tp_rank, "tp": m._tp, "split": dict(m._tp_split)}
 
     def titan_verify_weights(self, expected_by_rank: list[dict[str, str]]) -> list[str]:

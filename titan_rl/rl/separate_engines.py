@@ -12,7 +12,10 @@ Weights go over vLLM's weight-transfer mechanism (the "gloo" backend,
 titan_rl.vllm.weight_transfer) with a version, the training step they come from. After each
 transfer the engine checks, in its process, the sha256 of every weight its forward
 multiplies by against the digests the trainer sent, and describes its own execution
-contract, which the trainer checks against its own: two processes' accounts.
+contract, which the trainer checks against its own: two processes' accounts. With
+model.kernels = 'stock' the engine runs vLLM's own model (the stock column of a separate
+run), whose weights are checked as an in-process stock engine's are: not at all (its fused
+parameters have other names); its contract is, and differs from the trainer's by design.
 
 With `rollout.max_off_policy_steps = K` >= 1 the link submits the rollouts of the next K
 steps before the trainer trains on this one (`submit` returns at once, generation runs in a
@@ -269,7 +272,9 @@ class SeparateEngines(EngineLink):
         self.version = step
         if self.ranks.rank == 0:
             sent = quantized_state(state, recipes)
-            expected = _expected_digests(self.model, state, recipes, sent, self.engines[0].layout)
+            # vLLM's own model (stock) is not checked: its fused parameters have other names
+            expected = None if self.cfg.model.kernels == "stock" else \
+                _expected_digests(self.model, state, recipes, sent, self.engines[0].layout)
             self._last_sent = (sent, expected, step) if self.cfg.rollout.restart_engines else None
             self.sync_bytes = 0
             try:
@@ -279,7 +284,7 @@ class SeparateEngines(EngineLink):
                 error = err
         self._agree(error)
         self._check_engines(f"after the weight sync of step {step}")
-        return True
+        return None if self.cfg.model.kernels == "stock" else True
 
     def _send(self, e: _Engine, sent: dict, expected: dict, step: int) -> _Engine:
         """The weights of `step` into engine e, verified there; a dead engine is restarted
@@ -291,6 +296,8 @@ class SeparateEngines(EngineLink):
             return self._restart(e, when)  # it holds the weights of this sync (self._last_sent)
         self.sync_bytes += e.sender.send_state(sent, str(step))
         e.llm.reset_prefix_cache()  # KV and states computed under the old weights are never reused
+        if expected is None:
+            return e
         differ = e.llm.collective_rpc("titan_verify_weights", args=(expected,))
         bad = sorted({n for d in differ for n in d})
         if bad:

@@ -186,9 +186,24 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def start_weight_update(self) -> None:
         self.received_bytes = 0
+        if self._builtin():
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        pass
+        if self._builtin():
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def _builtin(self) -> bool:
+        """vLLM's own model (kernels = 'stock'): its CPU linears repack what they load, so an
+        update goes through vLLM's layerwise reload, as its own checkpoint-format backends do;
+        our wrapper loads in place."""
+        from titan_rl.vllm.model import TitanForCausalLM
+
+        return not isinstance(self.model, TitanForCausalLM)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
