@@ -10,7 +10,10 @@ rollout: the same prompts through vLLM with our exact wrapper vs vLLM's built-in
          (torch.compile with inductor); the faster is the stock column (`stock_config`),
          and the JSON keeps both ratios (`rollout_slowdown_vs_eager` / `_vs_compiled`).
 train:   trainer forward+backward tokens/s of our model with kernels="exact" vs
-         kernels="stock" (F.linear, SDPA), same batch, interleaved repeats.
+         kernels="stock" (F.linear, SDPA), same batch, interleaved repeats. Stock runs
+         eager and under torch.compile (inductor, forward and backward); the faster is the
+         train stock column (`train_stock_config`), and the JSON keeps both ratios
+         (`train_slowdown_vs_eager` / `_vs_compiled`). The exact trainer stays eager.
 slowdown = exact time / stock time (1.0 = free). Prints a table, writes JSON.
 
 The model: a Qwen3 flavor with random weights (`--flavor`, `--layers N` keeps the first
@@ -139,8 +142,14 @@ def flavor_model(args, options=None):
 
 
 def bench_train(models, args):
+    """Seconds per forward+backward of each model, the best of --repeats interleaved runs;
+    stock both eager and compiled (torch.compile, inductor: the compiled one is the same
+    module, so the same weights), the faster being the `stock` column."""
     torch.manual_seed(0)
     tokens = torch.randint(0, models["exact"].cfg.vocab_size, (args.train_batch, args.train_len))
+    models = {"exact": models["exact"], "stock_eager": models["stock"]}
+    if args.compiled_stock:
+        models["stock_compiled"] = torch.compile(models["stock_eager"])
     times = {e: [] for e in models}
 
     def step(m):
@@ -158,6 +167,8 @@ def bench_train(models, args):
             times[e].append(time.perf_counter() - t)
     n = tokens.numel()
     out = {e: {"seconds": min(times[e]), "tokens_per_s": n / min(times[e])} for e in models}
+    out["stock_config"] = min((e for e in models if e != "exact"), key=lambda e: out[e]["seconds"])[len("stock_"):]
+    out["stock"] = out[f"stock_{out['stock_config']}"]
     out["flops"] = 3 * forward_flops(models["exact"].cfg, [args.train_len] * args.train_batch)  # fwd + 2x bwd
     return out
 
@@ -179,7 +190,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-rollout", action="store_true")
     ap.add_argument("--no-compiled-stock", dest="compiled_stock", action="store_false",
-                    help="skip vLLM's compiled stock engine (its default CPU configuration; ~25 s of compiling)")
+                    help="skip the compiled stock columns (vLLM's default CPU configuration, ~25 s of compiling; "
+                         "the stock trainer under torch.compile)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -195,6 +207,10 @@ def main(argv=None):
     if not args.skip_train:
         res["train"] = bench_train(models, args)
         res["train_slowdown"] = res["train"]["exact"]["seconds"] / res["train"]["stock"]["seconds"]
+        res["train_stock_config"] = res["train"]["stock_config"]
+        for c in ("eager", "compiled"):
+            if f"stock_{c}" in res["train"]:
+                res[f"train_slowdown_vs_{c}"] = res["train"]["exact"]["seconds"] / res["train"][f"stock_{c}"]["seconds"]
     if not args.skip_rollout:
         with tempfile.TemporaryDirectory() as d:
             folder = args.checkpoint
@@ -233,13 +249,15 @@ def main(argv=None):
             print(f"{k + ' (' + args.dtype + ')':28s}{r['exact']['tokens_per_s']:>14.1f}"
                   f"{r['stock']['tokens_per_s']:>14.1f}{res[k + '_slowdown']:>9.2f}x"
                   f"{r['exact']['x_limit']:>12.1f}x{r['stock']['x_limit']:>12.1f}x")
-    if "rollout" in res:  # both stock configurations, the baseline being the faster
+    for k in ("train", "rollout"):  # both stock configurations, the baseline being the faster
+        if k not in res:
+            continue
         for c in ("eager", "compiled"):
-            if f"stock_{c}" in res["rollout"]:
-                s = res["rollout"][f"stock_{c}"]
-                mark = "  <- the stock column" if c == res["stock_config"] else ""
-                print(f"{'  rollout, stock ' + c:28s}{'':>14s}{s['tokens_per_s']:>14.1f}"
-                      f"{res['rollout_slowdown_vs_' + c]:>9.2f}x{'':>13s}{s['x_limit']:>12.1f}x{mark}")
+            if f"stock_{c}" in res[k]:
+                s = res[k][f"stock_{c}"]
+                mark = "  <- the stock column" if c == res[k]["stock_config"] else ""
+                print(f"{'  ' + k + ', stock ' + c:28s}{'':>14s}{s['tokens_per_s']:>14.1f}"
+                      f"{res[k + '_slowdown_vs_' + c]:>9.2f}x{'':>13s}{s['x_limit']:>12.1f}x{mark}")
     print(f"threads {res['threads']}; limit = FLOPs at the measured {res['gemm_peak_dtype']} GEMM peak "
           f"({res['gemm_peak_gflops']:.1f} GFLOP/s); bf16 GEMM form here: {BF16_GEMM}")
     if args.json:
