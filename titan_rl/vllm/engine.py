@@ -182,12 +182,14 @@ def _llm_in_own_process(kwargs: dict, exact_sampling: str):
     import vllm.envs as envs
     from vllm import LLM
 
-    from titan_rl.vllm.plugin import EXACT_SAMPLING, TRAINER_PID
+    from titan_rl.vllm.plugin import EXACT_SAMPLING, FORK_WORKER, TRAINER_PID
 
     bind = "VLLM_CPU_OMP_THREADS_BIND"
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", TRAINER_PID, EXACT_SAMPLING, bind)}
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", TRAINER_PID, EXACT_SAMPLING, bind,
+                                            FORK_WORKER)}
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", TRAINER_PID: str(os.getpid()),
                        EXACT_SAMPLING: exact_sampling,
+                       FORK_WORKER: "1" if kwargs.get("tensor_parallel_size", 1) == 1 else "",
                        # vLLM's CPU workers bind to one NUMA node each by default; these machines have one
                        bind: os.environ.get(bind, "nobind")})
     try:

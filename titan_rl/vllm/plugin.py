@@ -13,6 +13,7 @@ _QWEN2_VL_IMAGES = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 # Set by titan_rl.rl.separate_engines for the engine processes it starts (inherited at spawn).
 TRAINER_PID = "TITAN_RL_TRAINER_PID"
 EXACT_SAMPLING = "TITAN_RL_EXACT_SAMPLING"
+FORK_WORKER = "TITAN_RL_FORK_WORKER"  # "1": an engine of TP 1, whose engine core forks its one worker
 
 
 def register() -> None:
@@ -32,19 +33,22 @@ def register() -> None:
 
 def _engine_process() -> None:
     """In an engine process a trainer started: die with the process that started it (a
-    killed trainer leaves no engine behind: PR_SET_PDEATHSIG, Linux), start the engine's
-    workers by fork, and sample with the exact engine's sampler (the patches
+    killed trainer leaves no engine behind: PR_SET_PDEATHSIG, Linux), start an engine of TP 1's
+    worker by fork, and sample with the exact engine's sampler (the patches
     titan_rl.vllm.engine.make_llm applies in-process).
 
-    Fork: vLLM's CPU platform sets spawn for every process it starts, so each worker paid a
+    Fork: vLLM's CPU platform sets spawn for every process it starts, so the worker paid a
     fresh interpreter's imports (~7 s) after the engine core had paid them; the engine core
-    forks its workers before it runs any model op (the hazard spawn avoids is a child forked
+    forks its worker before it runs any model op (the hazard spawn avoids is a child forked
     after the parent's OpenMP pool started). A separate engine's start: 14.4 s -> 8.7 s
     (2026-12-05). A forked worker inherits this process's patches; the death signal, which a
-    fork clears, is set again in it."""
+    fork clears, is set again in it. Not at TP 2: a forked process ends in os._exit, without
+    the C++ teardown that unlinks vLLM's CPU shared-memory TP channel (seen: 8 MiB left in
+    /dev/shm per engine), so those workers stay spawned."""
     _die_with_parent()
-    os.register_at_fork(after_in_child=_die_with_parent)
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    if os.environ.get(FORK_WORKER) == "1":
+        os.register_at_fork(after_in_child=_die_with_parent)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     mode = os.environ.get(EXACT_SAMPLING)
     if mode:
         from titan_rl.vllm.sampling import install, install_logprobs
