@@ -6,7 +6,8 @@ A cell is (architecture, replay mode, layout, placement):
                     pinned, mask_mode recompute);
            "replay" it takes every choice the engine recorded (its kinds: routes, key
                     indices; kept sets always, top_p = 0.9 in both modes so they matter)
-  layout   "1" one process; "fsdp2" torchrun 2 ranks (FSDP); "tp2" torchrun 2, TP 2
+  layout   "1" one process; "fsdp2" torchrun 2 ranks (FSDP); "tp2" torchrun 2, TP 2;
+           "ep2" torchrun 2, FSDP 2 with expert parallel 2 (MoE architectures)
   placement "colocated"; "separate" (an engine process, K = 0); "separate_k1" (K = 1)
 
 Every cell runs with model.tp_leaves = 2 so that TP 2 has the bits of TP 1. The reference of
@@ -58,7 +59,8 @@ ARCHS = {
 SHORT = ["--training.steps=3", "--algorithm.sft_steps=1", "--algorithm.sft_batch=8", "--algorithm.prompts_per_step=4",
          "--algorithm.group_size=4", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable=false",
          "--model.tp_leaves=2", "--sampling.top_p=0.9"]
-LAYOUTS = {"1": (1, []), "fsdp2": (2, []), "tp2": (2, ["--parallelism.tensor_parallel_degree=2"])}
+LAYOUTS = {"1": (1, []), "fsdp2": (2, []), "tp2": (2, ["--parallelism.tensor_parallel_degree=2"]),
+           "ep2": (2, ["--parallelism.expert_parallel_degree=2"])}
 PLACEMENTS = {"colocated": [], "separate": ["--rollout.placement=separate"],
               "separate_k1": ["--rollout.placement=separate", "--rollout.max_off_policy_steps=1"]}
 MODES = ("own", "replay")
@@ -77,11 +79,12 @@ def mode_args(arch: str, mode: str) -> list[str]:
     return out
 
 
-def run_cell(arch: str, mode: str, layout: str, placement: str, out_dir: Path, timeout: int) -> dict:
+def run_cell(arch: str, mode: str, layout: str, placement: str, out_dir: Path, timeout: int,
+             extra: list[str] = ()) -> dict:
     procs, layout_args = LAYOUTS[layout]
     run_dir = out_dir / f"{arch}-{mode}-{layout}-{placement}"
     args = ["--run-dir", str(run_dir), *ARCHS[arch], *SHORT, *mode_args(arch, mode), *layout_args,
-            *PLACEMENTS[placement]]
+            *PLACEMENTS[placement], *extra]
     if procs == 1:
         cmd = [sys.executable, "-m", "titan_rl.train", *args]
     else:
@@ -150,13 +153,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="run dirs go here (default: a temporary folder)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
     p.add_argument("--json", default="outputs/matrix.json")
+    p.add_argument("--extra", action="append", default=[], metavar="--KEY=VALUE",
+                   help="a config override added to every cell, reference included; repeat it for more "
+                        "(e.g. --extra=--parallelism.gradient_leaves=4 --extra=--training.max_norm=0.001)")
     a = p.parse_args(argv)
     out_dir = Path(a.out or tempfile.mkdtemp(prefix="titan_rl_matrix_"))
     cells = []
     print(f"{'arch':12} {'mode':6} {'layout':6} {'placement':12} {'verdict':19} {'equal':18} {'s':>6}  note",
           flush=True)
     for arch, mode in itertools.product(a.arch, a.mode):
-        reference = run_cell(arch, mode, "1", "colocated", out_dir, a.timeout)
+        reference = run_cell(arch, mode, "1", "colocated", out_dir, a.timeout, a.extra)
         want = reference.pop("lines", None)
         reference["verdict"] = "reference" if want else ("refused" if "refused" in reference else "FAILED")
         reference["equal_lines"] = f"{len(want)} lines" if want else ""
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
         cells.append(reference)
         for lay, pl in itertools.product(a.layout, a.placement):
             if (lay, pl) != ("1", "colocated"):
-                cell = run_cell(arch, mode, lay, pl, out_dir, a.timeout)
+                cell = run_cell(arch, mode, lay, pl, out_dir, a.timeout, a.extra)
                 judge(cell, want)
                 _print(cell)
                 cells.append(cell)

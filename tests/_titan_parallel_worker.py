@@ -490,10 +490,14 @@ def det_batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 CLIP_SCALES: list[float] = []  # every det_train step's clipping scale (the tests assert it clipped)
 
 
+EP_ROWS: list[int] = []  # rows each expert-parallel det_train received from other ranks
+
+
 def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=None, tp_mesh=None,
-              tp_leaves: int = 0) -> dict:
+              tp_leaves: int = 0, ep: bool = False) -> dict:
     """DET_STEPS steps of masked CE + MoE aux loss, global-norm clipping and AdamW on the
-    global batch, this rank's share of it (TP on `tp_mesh` when given); returns the full
+    global batch, this rank's share of it (TP on `tp_mesh` when given; `ep`: the routed
+    experts expert-parallel over `mesh`, titan_rl/parallel/expert.py); returns the full
     weights after the last step."""
     from titan_rl.rl.batch_plan import gradient_leaves
     from titan_rl.rl.global_batch import rank_share
@@ -503,7 +507,14 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
     m = model_config(arch, flavor, ModelOptions(tp_leaves=tp_leaves), init_seed=SEED).build().init_weights()
     if tp_mesh is not None:
         apply_tp(m, tp_mesh)
-    apply_fsdp(m, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, gradient_divide_factor=1.0)
+    xp, ignored = None, None
+    if ep:
+        from titan_rl.parallel.expert import apply_ep, expert_parameters
+
+        xp = apply_ep(m, mesh.get_group(), mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+        ignored = set(expert_parameters(m))
+    apply_fsdp(m, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, gradient_divide_factor=1.0,
+               ignored_params=ignored)
     red = leaf_reduction.install(m) if deterministic else None
     if not deterministic:  # MoE: an expert no token of one rank reached still joins the reduce-scatter
         for unit in m.modules():
@@ -534,6 +545,8 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
             if getattr(m, "indexer_loss", None) is not None:  # GLM-5's indexers learn from their own loss
                 loss = loss + m.indexer_loss / n_parts
             loss.backward()
+            if xp is not None:
+                xp.leaf_done(j == len(parts) - 1)
         norm = leaf_reduction.grad_norm(m.parameters())
         scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
         CLIP_SCALES.append(float(scale))
@@ -542,7 +555,12 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
                 p.grad.mul_(scale.to(p.grad.dtype))
         opt.step()
         opt.zero_grad()
+    if xp is not None:
+        EP_ROWS.append(xp.rows_from_others)
     return {n: full(p).detach().clone() for n, p in m.named_parameters()}
+
+
+EP_TAGS = ("moe", "next", "q35moe", "glm5")
 
 
 def run_det_fsdp(res: dict) -> None:
@@ -562,6 +580,8 @@ def run_det_fsdp(res: dict) -> None:
         # differing shows the equality below is the leaf tree's doing.
         for det in (True, False) if tag == "dense" else (True,):
             wide = det_train(arch, flavor, mesh["dp"], det, dtype)
+            # the MoE models again with their experts expert-parallel (EP = FSDP = world)
+            wide_ep = det_train(arch, flavor, mesh["dp"], det, dtype, ep=True) if tag in EP_TAGS else None
             if dist.get_rank() != 0:  # the one-process run talks to no other rank: rank 0's alone
                 continue
             solo = det_train(arch, flavor, mesh["solo"], det, dtype)
@@ -569,7 +589,11 @@ def run_det_fsdp(res: dict) -> None:
             res[f"{key}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
             res[f"{key}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
             res[f"{key}_moved"] = max(maxdiff(wide[n], init[n]) for n in wide)
+            if wide_ep is not None:
+                res[f"detep_{tag}_equal"] = all(torch.equal(wide_ep[n], solo[n]) for n in wide)
+                res[f"detep_{tag}_maxdiff"] = max(maxdiff(wide_ep[n], solo[n]) for n in wide)
     res["det_min_clip_scale"] = min(CLIP_SCALES)
+    res["ep_rows_from_others"] = EP_ROWS
 
 
 def run_ranks_tree(res: dict) -> None:
@@ -654,7 +678,15 @@ def run_det_fsdp_dense(res: dict) -> None:
         solo = det_train("qwen3", "debug", mesh["solo"], True, dtype)
         res[f"det_{tag}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
         res[f"det_{tag}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
+    # EP = FSDP = 4 (qwen3_moe: 8 experts, 2 a rank; GLM-5: 5 experts, 2/1/1/1) vs one process
+    for tag, arch, flavor in (("moe", "qwen3_moe", "debug_moe"), ("glm5", "glm_moe_dsa", "debug_glm5")):
+        wide = det_train(arch, flavor, mesh["dp"], True, ep=True)
+        if dist.get_rank() == 0:
+            solo = det_train(arch, flavor, mesh["solo"], True)
+            res[f"detep_{tag}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
+            res[f"detep_{tag}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
     res["det_min_clip_scale"] = min(CLIP_SCALES)
+    res["ep_rows_from_others"] = EP_ROWS
 
 
 DET_TP_LEAVES = 8

@@ -229,3 +229,34 @@ def test_deterministic_reduction_refusals_name_the_key():
     check_global_batch(config.load(None, ["--parallelism.deterministic_reduction=false",
                                           "--parallelism.gradient_leaves=2", "--algorithm.prompts_per_step=4",
                                           "--algorithm.sft_batch=16"]), 4)
+
+
+def test_expert_parallel_refusals_name_the_key_and_what_is_allowed():
+    """parallelism.expert_parallel_degree (titan_rl/parallel/expert.py): refused at start, by key,
+    where it is not built; allowed with an MoE model, the leaf tree and EP = the data-parallel degree."""
+    moe = ["--model.name=\"qwen3_moe\"", "--model.flavor=\"debug_moe\""]
+    cases = [
+        (["--parallelism.expert_parallel_degree=2"],
+         r"parallelism.expert_parallel_degree = 2 needs a mixture-of-experts model; model.name = 'qwen3'"),
+        ([*moe, "--parallelism.expert_parallel_degree=0"], r"parallelism.expert_parallel_degree = 0: must be >= 1"),
+        ([*moe, "--parallelism.expert_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
+          "--model.tp_leaves=2"],
+         r"expert_parallel_degree = 2 with parallelism.tensor_parallel_degree = 2 is not built"),
+        ([*moe, "--parallelism.expert_parallel_degree=2", "--parallelism.deterministic_reduction=false"],
+         r"expert_parallel_degree = 2 needs the leaf tree"),
+        ([*moe, "--parallelism.expert_parallel_degree=2", "--model.kernels=\"stock\""],
+         r"expert_parallel_degree = 2 needs the leaf tree"),
+        ([*moe, "--parallelism.expert_parallel_degree=16"],
+         r"expert_parallel_degree = 16 must be <= the model's routed experts \(8\)"),
+        ([*moe, "--parallelism.expert_parallel_degree=2", "--quantization.recipe=\"fp8_rowwise\""],
+         r"expert_parallel_degree = 2 with quantization.recipe = 'fp8_rowwise' is not built"),
+    ]
+    for overrides, match in cases:
+        with pytest.raises(config.ConfigError, match=match):
+            config.load(None, overrides)
+    cfg = config.load(None, [*moe, "--parallelism.expert_parallel_degree=2"])
+    check_global_batch(cfg, 2)
+    for world in (1, 4):
+        with pytest.raises(config.ConfigError, match=rf"parallelism.expert_parallel_degree = 2 must equal the "
+                                                     rf"data-parallel degree {world} \(WORLD_SIZE = {world}"):
+            check_global_batch(cfg, world)

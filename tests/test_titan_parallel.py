@@ -229,12 +229,20 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     collective's sum) on the same fixed batches of the dense model differs, so the equality is the mechanism's doing.
     In the same launch, TP = 2 against one process, both with tp_leaves = 8 (fixed-shape
     backward pieces, fixed trees over column blocks and heads): torch.equal weights too, for
-    dense, MoE, the hybrid, Qwen3-Next and GLM-5 (MLA's heads split; the indexers trained)."""
+    dense, MoE, the hybrid, Qwen3-Next and GLM-5 (MLA's heads split; the indexers trained).
+    And expert parallelism (titan_rl/parallel/expert.py) at EP = FSDP = 2 against one process,
+    torch.equal weights for the four MoE architectures (GLM-5's 5 experts split 3/2); giving
+    the ranks' leaves one shared copy of an expert's weights instead of one per source rank
+    fails it (checked by hand, scripts/matrix.py's EP cell: the weights differ after the
+    first step)."""
     r = launch("det_fsdp+det_tp", 2, tmp_path, timeout=400)
     tags = ("dense", "dense_bf16", "moe", "hybrid", "next", "q35", "q35moe", "glm5")
     for tag in tags:
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
         assert r[f"det_{tag}_moved"] > 1e-3  # the steps changed the weights
+    for tag in ("moe", "next", "q35moe", "glm5"):
+        assert r[f"detep_{tag}_equal"], (tag, r[f"detep_{tag}_maxdiff"])
+    assert len(r["ep_rows_from_others"]) == 4 and min(r["ep_rows_from_others"]) > 0  # tokens did cross ranks
     assert not r["plain_dense_equal"], "the collective's own sum matched too: the control shows nothing"
     for tag in ("dense", "dense_bf16", "moe", "hybrid", "next", "glm5"):
         assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
@@ -261,10 +269,15 @@ def test_gather_dp_equals_all_gather_object(two_ranks):
 
 def test_deterministic_reduction_fsdp4_equals_fsdp1_after_3_steps(four_ranks):
     """FSDP = 4 (one leaf per rank, the shard exchange over four ranks) and FSDP = 1 train
-    the same 4 leaves: weights torch.equal after 3 clipped AdamW steps, fp32 and bf16."""
+    the same 4 leaves: weights torch.equal after 3 clipped AdamW steps, fp32 and bf16; and
+    expert parallelism at EP = FSDP = 4 (qwen3_moe's 8 experts 2 a rank, GLM-5's 5 split
+    2/1/1/1) against one process."""
     r = four_ranks
     for tag in ("dense", "dense_bf16"):
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
+    for tag in ("moe", "glm5"):
+        assert r[f"detep_{tag}_equal"], (tag, r[f"detep_{tag}_maxdiff"])
+    assert len(r["ep_rows_from_others"]) == 2 and min(r["ep_rows_from_others"]) > 0
     assert r["det_min_clip_scale"] < 1
 
 

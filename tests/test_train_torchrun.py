@@ -135,22 +135,32 @@ def test_two_separate_engines_with_a_quantized_recipe_write_the_colocated_metric
     assert [strip(m) for m in got] == [strip(m) for m in want]
 
 
-def test_moe_rl_router_replay_equals_own_routing_with_zero_mismatch(tmp_path):
+def test_moe_rl_router_replay_equals_own_routing_and_expert_parallel_with_zero_mismatch(tmp_path):
     """The MoE debug flavor: the sampler's recorded experts (replayed into the trainer) and
     the trainer's own router agree everywhere, so replay on/off give the same run, with
-    log-prob mismatch 0 and expert disagreement 0 at every RL step."""
-    runs = {}
+    log-prob mismatch 0 and expert disagreement 0 at every RL step. Under torchrun with
+    expert parallelism 2 (each rank 4 of the 8 experts, run for both ranks' tokens), the
+    replay run writes the same lines (wall-clock aside), the SFT steps clipped; 4 gradient
+    leaves, so each rank's experts add two leaves of each source rank in the tree."""
+    runs, leaves = {}, "--parallelism.gradient_leaves=4"
+    args = ["--config", "train_configs/rl_debug_moe.toml", "--training.steps=4", "--lr_scheduler.warmup_steps=1",
+            "--checkpoint.enable=false", leaves]
     for mode in ("off", "replay"):
-        r = _train(tmp_path / mode, ["--config", "train_configs/rl_debug_moe.toml", "--training.steps=4",
-                                     "--lr_scheduler.warmup_steps=1", f"--rollout.router_replay={mode}",
-                                     "--checkpoint.enable=false"])
+        r = _train(tmp_path / mode, [*args, f"--rollout.router_replay={mode}"])
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[mode] = [m for m in _metrics(tmp_path / mode) if m["phase"] == "rl"]
-    for m in runs["off"] + runs["replay"]:
+        runs[mode] = _metrics(tmp_path / mode)
+    rl = {mode: [m for m in lines if m["phase"] == "rl"] for mode, lines in runs.items()}
+    for m in rl["off"] + rl["replay"]:
         assert m["max_abs_dlogp"] == 0.0 and m["expert_disagreement"] == 0.0 and m["weights_checksum_equal"]
         assert m["route_bytes_per_token"] == 8  # 4 layers x top-2, uint8
-    assert len(runs["off"]) == 2
-    assert [_comparable(m) for m in runs["off"]] == [_comparable(m) for m in runs["replay"]]
+    assert len(rl["off"]) == 2
+    assert [_comparable(m) for m in rl["off"]] == [_comparable(m) for m in rl["replay"]]
+    r = _torchrun(tmp_path / "ep2", [*SHORT, *args, "--rollout.router_replay=replay",
+                                     "--parallelism.expert_parallel_degree=2"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = _metrics(tmp_path / "ep2")
+    assert [_comparable(m) for m in got] == [_comparable(m) for m in runs["replay"]]
+    assert any(m["grad_norm"] > 1.0 for m in got)  # max_norm = 1: the clipping acted
     with pytest.raises(config.ConfigError, match="router_replay"):
         config.load(None, ['--rollout.router_replay="replay"'])  # the dense default has no router
 

@@ -331,6 +331,7 @@ def validate(cfg: Config) -> None:
     _layout(layout.check_tp_leaves, key, tp, leaves, why="for the trainer to stay bitwise equal to the engine")
     if tp > 1 and arch_cfg is not None:
         _layout(layout.check_widths, key, tp, arch_cfg, spec.tp_plan.divides)
+    _check_expert_parallel(cfg, spec, arch_cfg)
     if cfg.rollout.router_replay == "replay" and not cfg.model.checkpoint:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
@@ -357,6 +358,32 @@ def validate(cfg: Config) -> None:
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
+
+
+def _check_expert_parallel(cfg: Config, spec, arch_cfg) -> None:
+    """parallelism.expert_parallel_degree: what titan_rl/parallel/expert.py builds (the degree
+    against the world size is checked with the other layout rules, rl/global_batch.py)."""
+    p, key = cfg.parallelism, "parallelism.expert_parallel_degree"
+    ep = p.expert_parallel_degree
+    if ep < 1:
+        raise ConfigError(f"{key} = {ep}: must be >= 1")
+    if ep == 1:
+        return
+    if not spec.moe:
+        raise ConfigError(f"{key} = {ep} needs a mixture-of-experts model; model.name = {cfg.model.name!r} has no "
+                          "routed experts; allowed: 1")
+    if p.tensor_parallel_degree > 1:
+        raise ConfigError(f"{key} = {ep} with parallelism.tensor_parallel_degree = {p.tensor_parallel_degree} is not "
+                          "built (the experts' ranks are the data-parallel ranks); use one of the two")
+    if not batch_plan.uses_leaf_tree(cfg):
+        raise ConfigError(f"{key} = {ep} needs the leaf tree (model.kernels = 'exact' with "
+                          "parallelism.deterministic_reduction unset or true): the experts' gradients are added in it")
+    if cfg.quantization.recipe != "none":
+        raise ConfigError(f"{key} = {ep} with quantization.recipe = {cfg.quantization.recipe!r} is not built; "
+                          "allowed: 1, or quantization.recipe = 'none'")
+    n = getattr(arch_cfg, "num_experts", None) or getattr(arch_cfg, "n_routed_experts", None)
+    if n and n < ep:
+        raise ConfigError(f"{key} = {ep} must be <= the model's routed experts ({n}): each rank owns at least one")
 
 
 def _check_quantization(cfg: Config) -> None:

@@ -8,8 +8,8 @@ engines' `rollout.engine_tp`, an engine's vLLM `tensor_parallel_size`) needs
     computes whole leaves, so TP = 1, 2, ..., tp_leaves give the same bits;
   - no quantization recipe (`check_recipe`: the recipes' own rule, kernels.quant.recipes.check_tp_recipe).
 The widths tp_leaves itself must divide are the model's (models/options.py,
-ModelOptions.validate); expert parallelism is refused with TorchTitan's other unsupported
-sections (titan_rl.titan.sections).
+ModelOptions.validate); expert parallelism's rules are titan_rl.config._check_expert_parallel
+and titan_rl.rl.global_batch (EP = the data-parallel degree).
 
 Callers: the config's checks (titan_rl.config), the trainer's TP (titan_rl.parallel.plan's
 TPPlan.check_degree, from titan_rl.titan.model and apply_plan; titan_rl.titan.parallelize),

@@ -138,23 +138,56 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 def by_expert(x: torch.Tensor, ids: torch.Tensor, experts: Sequence[ExpertFn]) -> torch.Tensor:
     """[T, k, H]: slot j of token t holds experts[ids[t, j]](x[t]); tokens grouped by
-    expert (experts visited 0..E-1), each result put back in place (a gather, no sums)."""
+    expert (experts visited 0..E-1, each group in token order), each result put back in
+    place (a gather, no sums). The gradient of x sums each token's k slots in slot order
+    (pair_rows), so expert parallelism (titan_rl/parallel/expert.py), which computes the
+    same groups on other ranks, gives the same bits."""
     T, H = x.shape
-    k = ids.shape[1]
-    flat = ids.reshape(-1)  # (token, slot) pairs, row-major: pair p = t * k + j
-    pieces, order = [], []
-    for e, expert in enumerate(experts):
-        rows = (flat == e).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            continue
-        pieces.append(expert(x.index_select(0, rows // k)))
-        order.append(rows)
+    order, counts = expert_order(ids, len(experts))
+    xs = pair_rows(x, ids.shape[1]).index_select(0, order)
+    pieces = [expert(chunk) for expert, chunk, n in zip(experts, xs.split(counts), counts) if n]
     if not pieces:
-        return x.new_zeros(T, k, H)
-    y = torch.cat(pieces)
-    inverse = torch.empty_like(flat)
-    inverse[torch.cat(order)] = torch.arange(flat.numel(), device=flat.device)
-    return y.index_select(0, inverse).view(T, k, H)
+        return x.new_zeros(T, ids.shape[1], H)
+    return unsort_pairs(torch.cat(pieces), order).view(T, ids.shape[1], -1)
+
+
+def expert_order(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (token, slot) pairs (pair p = t * k + j) grouped by expert, each group in pair
+    order (a stable sort: comparisons only), and the group sizes [n_experts]."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    return order, torch.bincount(flat, minlength=n_experts).tolist()
+
+
+def unsort_pairs(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows in expert order back to pair order (a permutation: exact both ways)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return y.index_select(0, inverse)
+
+
+class _PairRows(torch.autograd.Function):
+    """x [T, H] -> [T * k, H], row t repeated k times (one row per (token, slot) pair). The
+    backward adds a token's k rows in slot order 0..k-1 in fp32 and casts once, a fixed
+    order wherever the pairs were computed (autograd's own accumulation over separate
+    gathers would follow its graph)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.repeat_interleave(k, dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.view(-1, ctx.k, g.shape[-1])
+        acc = g[:, 0].float()
+        for j in range(1, ctx.k):
+            acc = acc + g[:, j].float()
+        return acc.to(g.dtype), None
+
+
+def pair_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    return _PairRows.apply(x, k)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -92,6 +92,10 @@ class SparseMoeBlock(nn.Module):
         self.routes = ChoicePoint("routes", lambda ids: compact_routes(ids, cfg.num_experts))
         self.last_probs: torch.Tensor | None = None  # for the model's load-balancing loss
 
+    # the trainer's expert parallelism, when on (titan_rl/parallel/expert.py): the same
+    # contract as moe_experts, the experts run by the ranks that own them
+    expert_parallel = None
+
     def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
         """Nothing prepared for the router: router_topk multiplies by its weight, per call."""
         return {}, [self.gate]
@@ -103,7 +107,7 @@ class SparseMoeBlock(nn.Module):
         )
         self.last_probs = probs
         self.routes.record(ids, own)
-        return moe_experts(x, ids, weights, self.experts)
+        return (self.expert_parallel or moe_experts)(x, ids, weights, self.experts)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

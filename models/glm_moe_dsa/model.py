@@ -293,6 +293,8 @@ class DsaMoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self.routes = ChoicePoint("routes", lambda ids: compact_routes(ids, cfg.n_routed_experts))
 
+    expert_parallel = None  # the trainer's expert parallelism, as models/common/moe.py's blocks
+
     def forward(self, x):
         c = self.cfg
         weights, ids, own = router_sigmoid_topk(
@@ -300,7 +302,7 @@ class DsaMoE(nn.Module):
             c.norm_topk_prob, c.routed_scaling_factor, sigmoid=lambda z: self.ops.elementwise(torch.sigmoid, z),
             route_override=self.routes.override, linear_fn=self.ops.linear, topk_fn=self.ops.expert_topk)
         self.routes.record(ids, own)
-        out = moe_experts(x, ids, weights, self.experts)
+        out = (self.expert_parallel or moe_experts)(x, ids, weights, self.experts)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

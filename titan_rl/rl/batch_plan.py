@@ -203,12 +203,14 @@ class Collective(BatchPlan):
 
 class LeafTree(BatchPlan):
     def __init__(self, ranks: Ranks, model: torch.nn.Module, n_leaves: int):
+        from titan_rl.parallel.expert import expert_parallel_of
         from titan_rl.titan import leaf_reduction
 
         super().__init__(ranks)
         self.n_leaves = n_leaves
         self.reduction = f"{n_leaves} leaves, fixed tree"
         self.switch = leaf_reduction.install(model)
+        self.experts = expert_parallel_of(model)  # the expert-parallel experts' own trees
 
     def pieces(self, total, start):
         r = self.ranks
@@ -224,6 +226,8 @@ class LeafTree(BatchPlan):
     def backward(self, loss, last):
         self.switch.last_leaf = last
         loss.backward()
+        if self.experts is not None:
+            self.experts.leaf_done(last)
 
     def step_sum(self, values):
         return float(tree_sum(self.ranks.gather_dp(torch.stack(values), same_shape=True)))

@@ -45,4 +45,9 @@ def check_global_batch(cfg: Config, world: int) -> None:
                 f"{key} = {n} must be divisible by the data-parallel degree {dp} (WORLD_SIZE = {world} / "
                 f"parallelism.tensor_parallel_degree = {tp}): it counts the whole step, and each data-parallel "
                 f"rank takes an equal share")
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep > 1 and ep != dp:
+        raise ConfigError(f"parallelism.expert_parallel_degree = {ep} must equal the data-parallel degree {dp} "
+                          f"(WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): every data-parallel "
+                          "rank owns an equal share of the experts")
     batch_plan.check_layout(cfg, dp, world)

@@ -94,15 +94,18 @@ def _apply_ac_config(model: nn.Module, ac_config) -> None:
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
-               gradient_divide_factor: float | None = None) -> None:
+               gradient_divide_factor: float | None = None, ignored_params: set | None = None) -> None:
     """fully_shard each decoder layer, then the root (embedding, final norm, LM head: the
     LM head weight is read directly by `logits()`, so it must live in the root unit,
     which stays unsharded for the whole forward). On gloo, gradients are reduced with
-    SUM (cpu_compat.force_sum_reduction)."""
+    SUM (cpu_compat.force_sum_reduction). `ignored_params` stay plain tensors (expert
+    parallelism's experts)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored_params)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored_params)
     if gradient_divide_factor is not None:
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -119,15 +122,19 @@ def parallelize_fn(model: nn.Module, *, parallel_dims, training=None, parallelis
     """TorchTitan's parallelize_fn for every registered architecture: TP by the
     architecture's plan (tp mesh; refused with the spec's reason when it has none),
     activation checkpointing, FSDP2 / HSDP (fsdp mesh, always applied like torchtitan
-    does, for the mixed-precision policy). CP, PP, EP and torch.compile are refused."""
+    does, for the mixed-precision policy), expert parallelism over the ep mesh
+    (titan_rl/parallel/expert.py: the experts stay out of FSDP). CP, PP and torch.compile
+    are refused."""
     check_tp_supported(_architecture(model), parallel_dims.tp)
     if compile_config is not None and getattr(compile_config, "enable", False):
         raise ValueError("torch.compile breaks batch invariance: set compile.enable = False")
     for what, on in (("context parallel", parallel_dims.cp_enabled),
-                     ("pipeline parallel", parallel_dims.pp_enabled),
-                     ("expert parallel", parallel_dims.ep_enabled)):
+                     ("pipeline parallel", parallel_dims.pp_enabled)):
         if on:
             raise NotImplementedError(f"{what} is not supported for titan_rl models")
+    if parallel_dims.ep_enabled and (parallel_dims.tp_enabled or parallel_dims.ep != parallel_dims.dp_shard):
+        raise NotImplementedError(f"expert parallel {parallel_dims.ep} is built for ep == data_parallel_shard_degree "
+                                  f"({parallel_dims.dp_shard}) without TP (tp = {parallel_dims.tp})")
 
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"))
@@ -142,10 +149,17 @@ def parallelize_fn(model: nn.Module, *, parallel_dims, training=None, parallelis
     param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param] if training is not None else None
     reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce] if training is not None else None
     policy = getattr(parallelism, "fsdp_reshard_after_forward", "default") if parallelism else "default"
+    experts = None
+    if parallel_dims.ep_enabled:
+        from titan_rl.parallel.expert import apply_ep, expert_parameters
+
+        apply_ep(model, parallel_dims.get_mesh("ep").get_group(), dp_mesh, param_dtype=param_dtype,
+                 reduce_dtype=reduce_dtype)
+        experts = set(expert_parameters(model))
     apply_fsdp(
         model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         reshard_after_forward=policy != "never",
         # torchtitan normalises the loss by the global token count: no FSDP division.
-        gradient_divide_factor=1.0,
+        gradient_divide_factor=1.0, ignored_params=experts,
     )
     return model

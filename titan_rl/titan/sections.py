@@ -109,7 +109,6 @@ REFUSED_KEYS: dict[str, str] = {
     "parallelism.enable_sequence_parallel": "titan_rl's TP linears (titan_rl.parallel.tp_linear) have no "
                                             "sequence-parallel layout",
     "parallelism.enable_fsdp_symm_mem": "needs CUDA symmetric memory (CPU build)",
-    "parallelism.expert_parallel_degree": "expert parallel is not supported for titan_rl's MoE models",
     **{f"parallelism.{k}": _PP for k in (
         "pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
         "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
