@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-from titan_rl.launch import free_port
 from titan_rl.run_dir import comparable, read_metrics
 
 import _zygote
@@ -43,11 +42,9 @@ def uninterrupted_run(tmp_path_factory):
 
 
 def _torchrun(run_dir, extra=(), timeout=300):
-    port = free_port()
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
-           str(run_dir), *extra]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    """`torchrun --nproc_per_node=2 -m titan_rl.train`, its ranks forked from the zygote."""
+    cmd = [sys.executable, "-m", "titan_rl.train", "--run-dir", str(run_dir), *extra]
+    return _zygote.torchrun(2, cmd, env=ENV, timeout=timeout)
 
 
 def _engine_processes(pid: int) -> list:

@@ -16,7 +16,10 @@ write unbuffered) and PYTEST_CURRENT_TEST, which pytest changes with every test:
 that copies os.environ carries it, and keyed on it a worker's zygote served only the test
 that started it while every later launch paid a fresh interpreter's imports).
 
-`run` is subprocess.run and `popen` subprocess.Popen for the arguments the tests use.
+`run` is subprocess.run and `popen` subprocess.Popen for the arguments the tests use;
+`torchrun(n, cmd)` is `torchrun --nproc_per_node=n` for a command the zygote can fork: n
+children with torchrun's rank variables (rank 0 hosts the rendezvous store, as a plain
+env:// launch does), their output joined in rank order, the others killed when one fails.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ PRELOAD = ("titan_rl.train", "titan_rl.config", "titan_rl.validation", "titan_rl
            "titan_rl.vllm.sampling", "titan_rl.vllm.weight_transfer", "titan_rl.eval", "titan_rl.parity",
            "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.v1.worker.cpu_worker",
            "vllm.v1.worker.cpu_model_runner")
-_FREE_KEYS = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
+# torchrun's variables for one rank (`torchrun` below sets them per child; nothing preloaded reads them)
+_RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+_FREE_KEYS = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", *_RANK_KEYS}
 _ZYGOTES: dict[tuple, "_Zygote"] = {}  # one per worker: its environment is the first request's
 
 
@@ -217,6 +222,49 @@ def run(cmd, *, env=None, cwd=None, timeout=None, capture_output=False, text=Fal
         p.wait()
         raise
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def torchrun(nproc: int, cmd, *, env=None, cwd=None, timeout=None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=nproc <cmd without the interpreter>` with captured text
+    output; `cmd` is [sys.executable, "-m", module, ...] or [sys.executable, script, ...]."""
+    from titan_rl.launch import free_port
+
+    env = dict(os.environ if env is None else env)
+    port = free_port()
+    target = _forkable(cmd, env, True)
+    if target is None:
+        tr = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        return subprocess.run([tr, f"--nproc_per_node={nproc}", f"--master_port={port}", *[str(c) for c in cmd[1:]]],
+                              env=env, cwd=cwd, timeout=timeout, capture_output=True, text=True)
+    ranks = [Forked(*target, {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(port), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")},
+                    cwd, None, subprocess.PIPE, subprocess.PIPE, True) for r in range(nproc)]
+    got: dict = {}
+    readers = [threading.Thread(target=lambda k=(r, n), f=f: got.__setitem__(k, f.read()), daemon=True)
+               for r, p in enumerate(ranks) for n, f in (("out", p.stdout), ("err", p.stderr))]
+    for t in readers:
+        t.start()
+    deadline = None if timeout is None else time.time() + timeout
+    failed_at = None
+    while any(p.poll() is None for p in ranks):
+        if failed_at is None and any(p.returncode not in (None, 0) for p in ranks):
+            failed_at = time.time()  # torchrun stops the other ranks once one fails
+        if (failed_at is not None and time.time() > failed_at + 5) or (deadline and time.time() > deadline):
+            for p in ranks:
+                p.kill()
+            for p in ranks:
+                p.wait()
+            if failed_at is None:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            break
+        time.sleep(0.05)
+    for t in readers:
+        t.join()
+    codes = [p.returncode for p in ranks]
+    code = next((c for c in codes if c not in (0, None)), 0)
+    join = lambda n: "".join(got[(r, n)] or "" for r in range(nproc))  # noqa: E731
+    return subprocess.CompletedProcess(cmd, code, join("out"), join("err"))
 
 
 # ---------------------------------------------------------------- the zygote process

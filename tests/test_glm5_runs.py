@@ -7,7 +7,6 @@ replay) with max |dlogp| 0 and index disagreement 0 at every step."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -103,15 +102,13 @@ def test_trainer_and_engine_at_tp_2_write_the_one_process_metrics(alone, tmp_pat
     and of the indexer loss's target by the same fixed tree (models/glm_moe_dsa/parallelize.py).
     Reversing the order of the ranks' head parts in the trainer, or a worker's heads in the
     engine, fails it (checked by hand); scripts/matrix.py runs trainer TP 2 with engines at TP 1."""
-    from titan_rl.launch import free_port
     from titan_rl.run_dir import comparable
 
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "titan_rl.train", *RL,
+    cmd = [sys.executable, "-m", "titan_rl.train", *RL,
            "--run-dir", str(tmp_path / "tp2"), "--model.freeze_indexer=false",
            "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
            "--rollout.placement=separate", "--rollout.engine_tp=2"]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = _zygote.torchrun(2, cmd, env=ENV, timeout=600, cwd=ROOT)  # torchrun --nproc_per_node=2
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got, want = _metrics(tmp_path / "tp2"), alone("false")
     assert [comparable(m) for m in got] == [comparable(m) for m in want]

@@ -232,7 +232,7 @@ def test_deterministic_reduction_refusals_name_the_key():
 
 
 def test_expert_parallel_refusals_name_the_key_and_what_is_allowed():
-    """parallelism.expert_parallel_degree (titan_rl/parallel/expert.py): refused at start, by key,
+    """parallelism.expert_parallel_degree (titan_rl/titan/expert_parallel.py): refused at start, by key,
     where it is not built; allowed with an MoE model, the leaf tree and EP = the data-parallel degree."""
     moe = ["--model.name=\"qwen3_moe\"", "--model.flavor=\"debug_moe\""]
     cases = [

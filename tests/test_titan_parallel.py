@@ -22,22 +22,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import _zygote
 from _seeds import draw_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_titan_parallel_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def _run_once(mode: str, nproc: int, out: Path, timeout: int, env_extra: dict | None = None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(WORKER), mode, str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # torchrun --nproc_per_node=nproc WORKER ...: the ranks forked from the warm interpreter
+    # (a real torchrun where env_extra makes the environment another)
+    proc = _zygote.torchrun(nproc, [sys.executable, str(WORKER), mode, str(out)], env=env, cwd=ROOT, timeout=timeout)
     res = json.loads(out.read_text()) if out.exists() else {}
     return proc, res
 
@@ -45,7 +45,7 @@ def _run_once(mode: str, nproc: int, out: Path, timeout: int, env_extra: dict | 
 def _died_by_signal(proc, res: dict) -> bool:
     """A rank killed by a signal (seen once in CI: SIGABRT, 'terminate called without an
     active exception', inside gloo) rather than by a Python error in the worker."""
-    return proc.returncode != 0 and "error" not in res and "(SIGABRT)" in (proc.stderr or "")
+    return proc.returncode != 0 and "error" not in res and (proc.returncode == -6 or "(SIGABRT)" in (proc.stderr or ""))
 
 
 def launch(mode: str, nproc: int, tmp_path, timeout: int = 110, env_extra: dict | None = None) -> dict:
@@ -230,8 +230,8 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     In the same launch, TP = 2 against one process, both with tp_leaves = 8 (fixed-shape
     backward pieces, fixed trees over column blocks and heads): torch.equal weights too, for
     dense, MoE, the hybrid, Qwen3-Next and GLM-5 (MLA's heads split; the indexers trained).
-    And expert parallelism (titan_rl/parallel/expert.py) at EP = FSDP = 2 against one process,
-    torch.equal weights for the four MoE architectures (GLM-5's 5 experts split 3/2); giving
+    And expert parallelism (titan_rl/titan/expert_parallel.py) at EP = FSDP = 2 against one process,
+    torch.equal weights for qwen3_moe and GLM-5 (its 5 experts split 3/2); giving
     the ranks' leaves one shared copy of an expert's weights instead of one per source rank
     fails it (checked by hand, scripts/matrix.py's EP cell: the weights differ after the
     first step)."""
@@ -240,9 +240,9 @@ def test_deterministic_reduction_fsdp2_equals_fsdp1_after_3_steps(tmp_path):
     for tag in tags:
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
         assert r[f"det_{tag}_moved"] > 1e-3  # the steps changed the weights
-    for tag in ("moe", "next", "q35moe", "glm5"):
+    for tag in ("moe", "glm5"):
         assert r[f"detep_{tag}_equal"], (tag, r[f"detep_{tag}_maxdiff"])
-    assert len(r["ep_rows_from_others"]) == 4 and min(r["ep_rows_from_others"]) > 0  # tokens did cross ranks
+    assert len(r["ep_rows_from_others"]) == 2 and min(r["ep_rows_from_others"]) > 0  # tokens did cross ranks
     assert not r["plain_dense_equal"], "the collective's own sum matched too: the control shows nothing"
     for tag in ("dense", "dense_bf16", "moe", "hybrid", "next", "glm5"):
         assert r[f"dettp_{tag}_equal"], (tag, r[f"dettp_{tag}_maxdiff"], r[f"dettp_{tag}_differ"])
@@ -270,14 +270,12 @@ def test_gather_dp_equals_all_gather_object(two_ranks):
 def test_deterministic_reduction_fsdp4_equals_fsdp1_after_3_steps(four_ranks):
     """FSDP = 4 (one leaf per rank, the shard exchange over four ranks) and FSDP = 1 train
     the same 4 leaves: weights torch.equal after 3 clipped AdamW steps, fp32 and bf16; and
-    expert parallelism at EP = FSDP = 4 (qwen3_moe's 8 experts 2 a rank, GLM-5's 5 split
-    2/1/1/1) against one process."""
+    expert parallelism at EP = FSDP = 4 (GLM-5's 5 experts split 2/1/1/1) against one process."""
     r = four_ranks
     for tag in ("dense", "dense_bf16"):
         assert r[f"det_{tag}_equal"], (tag, r[f"det_{tag}_maxdiff"])
-    for tag in ("moe", "glm5"):
-        assert r[f"detep_{tag}_equal"], (tag, r[f"detep_{tag}_maxdiff"])
-    assert len(r["ep_rows_from_others"]) == 2 and min(r["ep_rows_from_others"]) > 0
+    assert r["detep_glm5_equal"], r["detep_glm5_maxdiff"]
+    assert len(r["ep_rows_from_others"]) == 1 and min(r["ep_rows_from_others"]) > 0
     assert r["det_min_clip_scale"] < 1
 
 

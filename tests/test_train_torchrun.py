@@ -87,14 +87,11 @@ def test_torchrun_2_ranks_rl_steps_have_zero_mismatch(tmp_path, layout, bf16_alo
     TP=2 with a fixed leaf tree (model.tp_leaves); each rank's engine (TP=1) and the
     sharded trainer agree bitwise at every RL step, and every metrics line equals the
     single process's at the same tp_leaves (wall-clock fields aside)."""
-    port = free_port()
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "titan_rl.train", "--run-dir",
-           str(tmp_path), *BF16_RL]
+    extra = [*BF16_RL]
     if layout == "tp2":
-        cmd += ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
-                "--model.tp_leaves=8"]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+        extra += ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                  "--model.tp_leaves=8"]
+    r = _torchrun(tmp_path, extra)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rl = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
     assert len(rl) == 3
@@ -135,31 +132,28 @@ def test_two_separate_engines_with_a_quantized_recipe_write_the_colocated_metric
     assert [strip(m) for m in got] == [strip(m) for m in want]
 
 
-def test_moe_rl_router_replay_equals_own_routing_and_expert_parallel_with_zero_mismatch(tmp_path):
-    """The MoE debug flavor: the sampler's recorded experts (replayed into the trainer) and
-    the trainer's own router agree everywhere, so replay on/off give the same run, with
-    log-prob mismatch 0 and expert disagreement 0 at every RL step. Under torchrun with
-    expert parallelism 2 (each rank 4 of the 8 experts, run for both ranks' tokens), the
-    replay run writes the same lines (wall-clock aside), the SFT steps clipped; 4 gradient
-    leaves, so each rank's experts add two leaves of each source rank in the tree."""
-    runs, leaves = {}, "--parallelism.gradient_leaves=4"
+def test_moe_rl_router_replay_equals_own_routing_under_expert_parallel_with_zero_mismatch(tmp_path):
+    """The MoE debug flavor, two runs that must write the same metrics.jsonl (wall-clock aside):
+    one process with the sampler's recorded experts replayed into the trainer, and torchrun
+    2 ranks with expert parallelism 2 (each rank 4 of the 8 experts, run for both ranks'
+    tokens) and the trainer's own router. The sampler and the router agree everywhere (log-prob
+    mismatch 0, expert disagreement 0 at every RL step), and EP 2 has the bits of one process:
+    4 gradient leaves, so each rank's experts add two leaves of each source rank in the tree;
+    the SFT steps clipped."""
     args = ["--config", "train_configs/rl_debug_moe.toml", "--training.steps=4", "--lr_scheduler.warmup_steps=1",
-            "--checkpoint.enable=false", leaves]
-    for mode in ("off", "replay"):
-        r = _train(tmp_path / mode, [*args, f"--rollout.router_replay={mode}"])
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[mode] = _metrics(tmp_path / mode)
-    rl = {mode: [m for m in lines if m["phase"] == "rl"] for mode, lines in runs.items()}
-    for m in rl["off"] + rl["replay"]:
-        assert m["max_abs_dlogp"] == 0.0 and m["expert_disagreement"] == 0.0 and m["weights_checksum_equal"]
-        assert m["route_bytes_per_token"] == 8  # 4 layers x top-2, uint8
-    assert len(rl["off"]) == 2
-    assert [_comparable(m) for m in rl["off"]] == [_comparable(m) for m in rl["replay"]]
-    r = _torchrun(tmp_path / "ep2", [*SHORT, *args, "--rollout.router_replay=replay",
+            "--checkpoint.enable=false", "--parallelism.gradient_leaves=4"]
+    r = _train(tmp_path / "replay", [*args, "--rollout.router_replay=replay"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _torchrun(tmp_path / "ep2", [*SHORT, *args, "--rollout.router_replay=off",
                                      "--parallelism.expert_parallel_degree=2"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    got = _metrics(tmp_path / "ep2")
-    assert [_comparable(m) for m in got] == [_comparable(m) for m in runs["replay"]]
+    want, got = _metrics(tmp_path / "replay"), _metrics(tmp_path / "ep2")
+    rl = [m for m in want + got if m["phase"] == "rl"]
+    assert len(rl) == 4
+    for m in rl:
+        assert m["max_abs_dlogp"] == 0.0 and m["expert_disagreement"] == 0.0 and m["weights_checksum_equal"]
+        assert m["route_bytes_per_token"] == 8  # 4 layers x top-2, uint8
+    assert [_comparable(m) for m in got] == [_comparable(m) for m in want]
     assert any(m["grad_norm"] > 1.0 for m in got)  # max_norm = 1: the clipping acted
     with pytest.raises(config.ConfigError, match="router_replay"):
         config.load(None, ['--rollout.router_replay="replay"'])  # the dense default has no router

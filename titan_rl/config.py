@@ -361,7 +361,7 @@ def validate(cfg: Config) -> None:
 
 
 def _check_expert_parallel(cfg: Config, spec, arch_cfg) -> None:
-    """parallelism.expert_parallel_degree: what titan_rl/parallel/expert.py builds (the degree
+    """parallelism.expert_parallel_degree: what titan_rl/titan/expert_parallel.py builds (the degree
     against the world size is checked with the other layout rules, rl/global_batch.py)."""
     p, key = cfg.parallelism, "parallelism.expert_parallel_degree"
     ep = p.expert_parallel_degree

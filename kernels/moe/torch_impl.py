@@ -140,7 +140,7 @@ def by_expert(x: torch.Tensor, ids: torch.Tensor, experts: Sequence[ExpertFn]) -
     """[T, k, H]: slot j of token t holds experts[ids[t, j]](x[t]); tokens grouped by
     expert (experts visited 0..E-1, each group in token order), each result put back in
     place (a gather, no sums). The gradient of x sums each token's k slots in slot order
-    (pair_rows), so expert parallelism (titan_rl/parallel/expert.py), which computes the
+    (pair_rows), so expert parallelism (titan_rl/titan/expert_parallel.py), which computes the
     same groups on other ranks, gives the same bits."""
     T, H = x.shape
     order, counts = expert_order(ids, len(experts))

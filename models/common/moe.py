@@ -92,7 +92,7 @@ class SparseMoeBlock(nn.Module):
         self.routes = ChoicePoint("routes", lambda ids: compact_routes(ids, cfg.num_experts))
         self.last_probs: torch.Tensor | None = None  # for the model's load-balancing loss
 
-    # the trainer's expert parallelism, when on (titan_rl/parallel/expert.py): the same
+    # the trainer's expert parallelism, when on (titan_rl/titan/expert_parallel.py): the same
     # contract as moe_experts, the experts run by the ranks that own them
     expert_parallel = None
 

@@ -203,7 +203,7 @@ class Collective(BatchPlan):
 
 class LeafTree(BatchPlan):
     def __init__(self, ranks: Ranks, model: torch.nn.Module, n_leaves: int):
-        from titan_rl.parallel.expert import expert_parallel_of
+        from titan_rl.titan.expert_parallel import expert_parallel_of
         from titan_rl.titan import leaf_reduction
 
         super().__init__(ranks)

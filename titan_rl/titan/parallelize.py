@@ -123,7 +123,7 @@ def parallelize_fn(model: nn.Module, *, parallel_dims, training=None, parallelis
     architecture's plan (tp mesh; refused with the spec's reason when it has none),
     activation checkpointing, FSDP2 / HSDP (fsdp mesh, always applied like torchtitan
     does, for the mixed-precision policy), expert parallelism over the ep mesh
-    (titan_rl/parallel/expert.py: the experts stay out of FSDP). CP, PP and torch.compile
+    (titan_rl/titan/expert_parallel.py: the experts stay out of FSDP). CP, PP and torch.compile
     are refused."""
     check_tp_supported(_architecture(model), parallel_dims.tp)
     if compile_config is not None and getattr(compile_config, "enable", False):
@@ -151,7 +151,7 @@ def parallelize_fn(model: nn.Module, *, parallel_dims, training=None, parallelis
     policy = getattr(parallelism, "fsdp_reshard_after_forward", "default") if parallelism else "default"
     experts = None
     if parallel_dims.ep_enabled:
-        from titan_rl.parallel.expert import apply_ep, expert_parameters
+        from titan_rl.titan.expert_parallel import apply_ep, expert_parameters
 
         apply_ep(model, parallel_dims.get_mesh("ep").get_group(), dp_mesh, param_dtype=param_dtype,
                  reduce_dtype=reduce_dtype)
