@@ -90,7 +90,14 @@ class EngineLink(abc.ABC):
     @abc.abstractmethod
     def sync(self, step: int) -> bool | None:
         """The trainer's current weights into the engine; the checksum's verdict (None
-        where the engine's parameters are not ours to compare: the stock engine)."""
+        where the engine's parameters are not ours to compare: `checks_weights`)."""
+
+    @property
+    def checks_weights(self) -> bool:
+        """Whether a sync compares the engine's weights with the trainer's: not for the stock
+        engine, vLLM's own model, whose fused qkv / gate_up parameters have other names and
+        whose preparation is vLLM's."""
+        return self.cfg.model.kernels != "stock"
 
     def rollout(self, step: int, requests: list[dict], params: list, requests_of, capture=()
                 ) -> tuple[Rollout, float, int]:
@@ -208,8 +215,8 @@ class ColocatedEngine(EngineLink):
         self.sync_bytes = state_bytes(sent)
         when = f"after the weight sync of step {step}"
         self._check_contract(when)
-        if self.cfg.model.kernels == "stock":
-            return None  # vLLM's fused qkv/gate_up parameters have other names
+        if not self.checks_weights:
+            return None
         # Two sides: the trainer's forward operands computed afresh from its masters
         # (fake-quantized where a recipe applies) and the operands the engine should have
         # prepared from what was sent (the engine's preparation code, run here); the engine's

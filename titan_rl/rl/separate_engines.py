@@ -272,9 +272,8 @@ class SeparateEngines(EngineLink):
         self.version = step
         if self.ranks.rank == 0:
             sent = quantized_state(state, recipes)
-            # vLLM's own model (stock) is not checked: its fused parameters have other names
-            expected = None if self.cfg.model.kernels == "stock" else \
-                _expected_digests(self.model, state, recipes, sent, self.engines[0].layout)
+            expected = _expected_digests(self.model, state, recipes, sent, self.engines[0].layout) \
+                if self.checks_weights else None
             self._last_sent = (sent, expected, step) if self.cfg.rollout.restart_engines else None
             self.sync_bytes = 0
             try:
@@ -284,7 +283,7 @@ class SeparateEngines(EngineLink):
                 error = err
         self._agree(error)
         self._check_engines(f"after the weight sync of step {step}")
-        return None if self.cfg.model.kernels == "stock" else True
+        return True if self.checks_weights else None
 
     def _send(self, e: _Engine, sent: dict, expected: dict, step: int) -> _Engine:
         """The weights of `step` into engine e, verified there; a dead engine is restarted
