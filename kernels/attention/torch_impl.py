@@ -21,8 +21,9 @@ value sum, as flash attention does; ~2x the fp32 form's speed at long prompts), 
 "fp32" (bf16 operands widened, fp32 FMAs). fp32 models always run the fp32 form. Either
 way trainer and engine call the same form, so they agree bit for bit.
 
-The backward (trainer only) is the gradient of the same function computed by torch's
-SDPA: only the forward has to match the engine bit for bit.
+The backward (trainer only) is the gradient of the same function computed by torch's SDPA
+flash backward from the kernel's output and its rows' log-sum-exps (`paged_attention_lse`):
+only the forward has to match the engine bit for bit.
 """
 
 import torch
@@ -51,7 +52,7 @@ def _dots(dtype: torch.dtype, head_dim: int) -> bool:
 DENSE_PAGE = 64  # positions per page of the trainer's copy (a multiple of LANES)
 
 
-def _dense_forward(q, k, v, scale):
+def _dense_forward(q, k, v, scale, with_lse: bool = False):
     """The trainer's keys and values copied into pages of DENSE_PAGE positions: one page
     per sequence would put the rows of a transposed key block L * 2-4 bytes apart, a
     power-of-two stride at the usual lengths, where every row lands in the same cache set
@@ -73,28 +74,32 @@ def _dense_forward(q, k, v, scale):
     qsl = torch.arange(B + 1, device=dev) * L
     seq_lens = torch.full((B,), L, device=dev, dtype=torch.long)
     pages = torch.arange(B * n_pages, device=dev).view(B, n_pages)
+    if with_lse:  # and each row's log-sum-exp [B, L, H] (fp32), for the backward
+        out, lse = _ops().paged_attention_lse(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots)
+        return out.view(B, L, H, D), lse.view(B, L, H)
     out = _ops().paged_attention(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots)
     return out.view(B, L, H, D)
 
 
 class _DenseAttention(torch.autograd.Function):
+    """The kernel's forward; the backward is SDPA's CPU flash backward given the kernel's own
+    output and row log-sum-exps (the gradient of the same function, without the forward SDPA's
+    autograd would recompute)."""
+
     @staticmethod
     def forward(ctx, q, k, v, scale):
-        ctx.save_for_backward(q, k, v)
+        out, lse = _dense_forward(q, k, v, scale, with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
-        return _dense_forward(q, k, v, scale)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), is_causal=True, scale=ctx.scale,
-                enable_gqa=q.shape[2] != k.shape[2],
-            ).transpose(1, 2)
-            gq, gk, gv = torch.autograd.grad(o, (q_, k_, v_), grad)
-        return gq, gk, gv, None
+        q, k, v, out, lse = ctx.saved_tensors
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
+            lse.transpose(1, 2).contiguous(), 0.0, True, scale=ctx.scale)
+        return gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2), None
 
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -28,6 +28,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -51,10 +53,12 @@ inline const float* row_f32(const C* src, float* buf, int64_t D) {
 template <>
 inline const float* row_f32<float>(const float* src, float*, int64_t) { return src; }
 
-// p_j = exp(s_j - max s) in place over n scores; returns sum_j p_j (j mod LANES lanes, tree).
-inline float softmax_weights(float* __restrict sg, int64_t n) {
+// p_j = exp(s_j - max s) in place over n scores; returns sum_j p_j (j mod LANES lanes, tree)
+// and stores max s in *m_out.
+inline float softmax_weights(float* __restrict sg, int64_t n, float* m_out) {
   float m = sg[0];
   for (int64_t j = 1; j < n; ++j) m = sg[j] > m ? sg[j] : m;
+  *m_out = m;
   for (int64_t j = 0; j < n; ++j) sg[j] = exp_f(sg[j] - m);
   float lanes[LANES];
   for (int l = 0; l < LANES; ++l) lanes[l] = 0.0f;
@@ -179,7 +183,8 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
                                   const c10::BFloat16* vc, const int64_t* k_st, const int64_t* v_st,
                                   const int64_t* row_bt, int64_t page, int64_t h, int64_t G, int64_t D, int64_t t0,
                                   int64_t nt, const int64_t* n_row, int64_t n_max, int64_t n_pad, float scale,
-                                  uint32_t* qp, float* sc, std::vector<uint16_t>& pbuf, float* lsum, float* acc) {
+                                  uint32_t* qp, float* sc, std::vector<uint16_t>& pbuf, float* lsum, float* rmax,
+                                  float* acc) {
   const int64_t R = nt * G, DP = D / 2;
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t g = 0; g < G; ++g)
@@ -198,7 +203,7 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = n_row[r / G];
     float* sr = sc + r * n_pad;
-    lsum[r] = softmax_weights(sr, n);
+    lsum[r] = softmax_weights(sr, n, rmax + r);
     for (int64_t j = 0; j < n; ++j) pbuf[r * n_pad + j] = f_to_bf16(sr[j]);
   }
   // Pass 3: a block's position pairs are consecutive [D, 2] runs.
@@ -226,7 +231,7 @@ template <typename TQ, typename C>
 void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C* vc, const int64_t* k_st,
                     const int64_t* v_st, const int64_t* qsl, const int64_t* seq_lens, const int64_t* bt,
                     int64_t bt_s, int64_t page, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale,
-                    TQ* out, bool dots) {
+                    TQ* out, bool dots, float* lse) {
   const int64_t G = H / Hkv;
 #ifdef TITAN_RL_ATTN_DPBF16
   constexpr bool BF16_BOTH = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
@@ -244,7 +249,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
     }
   const int64_t n_tiles = static_cast<int64_t>(tiles.size()) / 3;
   at::parallel_for(0, n_tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(qtile * G * D), acc(qtile * G * D), sc, lsum(qtile * G);
+    std::vector<float> qf(qtile * G * D), acc(qtile * G * D), sc, lsum(qtile * G), rmax(qtile * G);
     std::vector<float> kblk(D * LANES), vblk(LANES * D);
 #ifdef TITAN_RL_ATTN_DPBF16
     std::vector<uint32_t> qp(BF16_BOTH && dots ? qtile * G * D / 2 : 0);
@@ -270,13 +275,14 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
       if constexpr (BF16_BOTH) {
         if (dots) {
           attention_tile_dpbf16(q, q_t, q_h, kc, vc, k_st, v_st, row_bt, page, h, G, D, t0, nt, n_row, n_max, n_pad,
-                                scale, qp.data(), sc.data(), pbuf, lsum.data(), acc.data());
+                                scale, qp.data(), sc.data(), pbuf, lsum.data(), rmax.data(), acc.data());
           for (int64_t i = 0; i < nt; ++i)
             for (int64_t g = 0; g < G; ++g) {
               const int64_t r = i * G + g;
               TQ* o = out + (t0 + i) * H * D + (h * G + g) * D;
               const float l = lsum[r];
               for (int64_t d = 0; d < D; ++d) o[d] = from_f<TQ>(acc[r * D + d] / l);
+              if (lse) lse[(t0 + i) * H + h * G + g] = rmax[r] + std::log(l);
             }
           continue;
         }
@@ -319,7 +325,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
         }
       }
       // Pass 2: softmax weights and their sum, per row over its own n.
-      for (int64_t r = 0; r < R; ++r) lsum[r] = softmax_weights(sc.data() + r * n_pad, n_row[r / G]);
+      for (int64_t r = 0; r < R; ++r) lsum[r] = softmax_weights(sc.data() + r * n_pad, n_row[r / G], rmax.data() + r);
       // Pass 3: acc = sum_j p_j v_j (fma, j ascending); each value row loaded once for
       // all rows of the tile.
       for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
@@ -352,6 +358,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
           TQ* o = out + (t0 + i) * H * D + (h * G + g) * D;
           const float l = lsum[r];
           for (int64_t d = 0; d < D; ++d) o[d] = from_f<TQ>(acc[r * D + d] / l);
+          if (lse) lse[(t0 + i) * H + h * G + g] = rmax[r] + std::log(l);
         }
     }
   });
@@ -361,9 +368,10 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 // v_cache [pages, Hkv, page, D] (rows contiguous); query_start_loc [S+1]; seq_lens [S]
 // (KV length including this call's tokens); block_table [S, max_pages]. page must be a
 // multiple of LANES. Returns [T, H, D] in q's dtype.
-at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, bool bf16_dots) {
+std::tuple<at::Tensor, at::Tensor> attention_core(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                                 const at::Tensor& v_cache, const at::Tensor& query_start_loc,
+                                                 const at::Tensor& seq_lens, const at::Tensor& block_table,
+                                                 double scale, bool bf16_dots, bool want_lse) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_attention: cache rows must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k/v dtypes differ");
@@ -381,6 +389,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   const at::Tensor bt = block_table.to(at::kLong).contiguous();
   const int64_t S = sl.size(0);
   at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  // lse [T, H]: the row's log-sum-exp of its scaled scores (max + log of the weights' sum), for
+  // the trainer's backward (SDPA's flash backward takes it instead of recomputing the forward)
+  at::Tensor lse = want_lse ? at::empty({T, H}, q.options().dtype(at::kFloat)) : at::Tensor();
   const int64_t kst[3] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};  // page, head, d
   const int64_t vst[3] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   const float sc = static_cast<float>(scale);
@@ -393,7 +404,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 #define TITAN_ATTN(TQ, TC)                                                                                         \
   attention_rows<TQ, TC>(q.data_ptr<TQ>(), q.stride(0), q.stride(1), k_cache.data_ptr<TC>(),                      \
                          v_cache.data_ptr<TC>(), kst, vst, qsl.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),          \
-                         bt.data_ptr<int64_t>(), bt.size(1), page, S, H, Hkv, D, sc, out.data_ptr<TQ>(), dots)
+                         bt.data_ptr<int64_t>(), bt.size(1), page, S, H, Hkv, D, sc, out.data_ptr<TQ>(), dots, \
+                         want_lse ? lse.data_ptr<float>() : nullptr)
   const bool qb = q.scalar_type() == at::kBFloat16, cb = k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK((qb || q.scalar_type() == at::kFloat) && (cb || k_cache.scalar_type() == at::kFloat),
               "paged_attention: float32 or bfloat16 only");
@@ -402,7 +414,21 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   else if (cb) TITAN_ATTN(float, c10::BFloat16);
   else TITAN_ATTN(float, float);
 #undef TITAN_ATTN
-  return out;
+  return {out, lse};
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           const at::Tensor& block_table, double scale, bool bf16_dots) {
+  return std::get<0>(attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, bf16_dots,
+                                    false));
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_lse(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& query_start_loc,
+                                                       const at::Tensor& seq_lens, const at::Tensor& block_table,
+                                                       double scale, bool bf16_dots) {
+  return attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, bf16_dots, true);
 }
 
 }  // namespace
@@ -412,5 +438,8 @@ TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_table, float scale, bool bf16_dots=False) -> Tensor",
         &titan_rl::paged_attention);
+  m.def("paged_attention_lse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor block_table, float scale, bool bf16_dots=False) -> (Tensor, Tensor)",
+        &titan_rl::paged_attention_lse);
   m.def("paged_attention_dpbf16_available() -> bool", &titan_rl::dpbf16_form_available);
 }
