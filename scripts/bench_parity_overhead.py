@@ -113,8 +113,7 @@ def bench_rollout(folder, cfg, arch, args):
     for e in engines:
         best = min(times[e])
         out[e] = {"seconds": best, "tokens_per_s": args.prompts * args.max_tokens / best}
-    out["stock_config"] = min((e for e in engines if e != "exact"), key=lambda e: out[e]["seconds"])[len("stock_"):]
-    out["stock"] = out[f"stock_{out['stock_config']}"]
+    faster_stock(out)
     # every prompt token and every generated token but the last goes through the model once
     out["flops"] = forward_flops(cfg, [len(p["prompt_token_ids"]) + args.max_tokens - 1 for p in prompts])
     out["prompt_tokens"] = sum(lengths)
@@ -139,6 +138,23 @@ def flavor_model(args, options=None):
 
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     return build(args.flavor, options or ModelOptions(), **overrides).init_weights(0)
+
+
+def faster_stock(out: dict) -> None:
+    """out["stock"]: the faster of the stock configurations timed (out["stock_eager"],
+    out["stock_compiled"]), named in out["stock_config"]."""
+    timed = [e for e in ("stock_eager", "stock_compiled") if e in out]
+    out["stock_config"] = min(timed, key=lambda e: out[e]["seconds"])[len("stock_"):]
+    out["stock"] = out[f"stock_{out['stock_config']}"]
+
+
+def slowdowns(res: dict, k: str) -> None:
+    """res[k + "_slowdown"] (exact / the stock column) and one ratio per stock configuration."""
+    r = res[k]
+    res[f"{k}_slowdown"] = r["exact"]["seconds"] / r["stock"]["seconds"]
+    for c in ("eager", "compiled"):
+        if f"stock_{c}" in r:
+            res[f"{k}_slowdown_vs_{c}"] = r["exact"]["seconds"] / r[f"stock_{c}"]["seconds"]
 
 
 def bench_train(models, args):
@@ -167,8 +183,7 @@ def bench_train(models, args):
             times[e].append(time.perf_counter() - t)
     n = tokens.numel()
     out = {e: {"seconds": min(times[e]), "tokens_per_s": n / min(times[e])} for e in models}
-    out["stock_config"] = min((e for e in models if e != "exact"), key=lambda e: out[e]["seconds"])[len("stock_"):]
-    out["stock"] = out[f"stock_{out['stock_config']}"]
+    faster_stock(out)
     out["flops"] = 3 * forward_flops(models["exact"].cfg, [args.train_len] * args.train_batch)  # fwd + 2x bwd
     return out
 
@@ -206,11 +221,8 @@ def main(argv=None):
     res["params"] = sum(p.numel() for p in models["exact"].parameters())
     if not args.skip_train:
         res["train"] = bench_train(models, args)
-        res["train_slowdown"] = res["train"]["exact"]["seconds"] / res["train"]["stock"]["seconds"]
+        slowdowns(res, "train")
         res["train_stock_config"] = res["train"]["stock_config"]
-        for c in ("eager", "compiled"):
-            if f"stock_{c}" in res["train"]:
-                res[f"train_slowdown_vs_{c}"] = res["train"]["exact"]["seconds"] / res["train"][f"stock_{c}"]["seconds"]
     if not args.skip_rollout:
         with tempfile.TemporaryDirectory() as d:
             folder = args.checkpoint
@@ -219,11 +231,8 @@ def main(argv=None):
                 folder = d
             del models
             res["rollout"] = bench_rollout(folder, cfg, arch, args)
-        res["rollout_slowdown"] = res["rollout"]["exact"]["seconds"] / res["rollout"]["stock"]["seconds"]
+        slowdowns(res, "rollout")
         res["stock_config"] = res["rollout"]["stock_config"]
-        for c in ("eager", "compiled"):
-            if f"stock_{c}" in res["rollout"]:
-                res[f"rollout_slowdown_vs_{c}"] = res["rollout"]["exact"]["seconds"] / res["rollout"][f"stock_{c}"]["seconds"]
     # The physical limit: every FLOP at the platform's measured GEMM peak in the dtype the
     # exact engine's GEMMs run in (kernels.matmul.gemm_dtype).
     from titan_rl.kernels.matmul.torch_impl import BF16_GEMM, gemm_dtype

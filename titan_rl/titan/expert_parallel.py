@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from titan_rl.kernels.matmul.torch_impl import tree_sum
 from titan_rl.kernels.moe.torch_impl import combine, expert_order, pair_rows, unsort_pairs
 from titan_rl.titan.leaf_reduction import TreeStack
 
@@ -162,11 +163,8 @@ class ExpertParallel:
         if not last:
             return
         finished = []
-        for p, stacks in zip(mine, self._stacks):
-            parts = [stack.pop() for stack in stacks]
-            while len(parts) > 1:  # neighbours first, as leaf_reduction.ranks_tree
-                parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-            finished.append(parts[0].to(p.dtype).reshape(-1))
+        for p, stacks in zip(mine, self._stacks):  # the sources' subtrees, neighbours first (ranks_tree's order)
+            finished.append(tree_sum(torch.stack([stack.pop() for stack in stacks])).to(p.dtype).reshape(-1))
         owned = [self.params_of(r) for r in range(self.degree)]
         width = max(sum(p.numel() for p in ps) for ps in owned)  # all_gather takes equal sizes: pad
         flat = torch.cat(finished)
