@@ -1,4 +1,7 @@
-"""A forward kernel with the gradient of the same function computed in eager torch.
+"""Autograd helpers of the kernels: a forward kernel with an eager backward, and a split
+of a fused GEMM's output whose backward does not copy.
+
+with_eager_backward:
 
 Only the forward of a kernel op has to match the other engine bit for bit (it produces
 the log-probs both sides compare); its backward is the gradient of the same math, so it
@@ -6,6 +9,8 @@ recomputes the op with an eager torch definition under autograd (as the CPU kern
 own autograd Functions do). `with_eager_backward(fast, eager)` returns a function that
 calls `fast` when no input needs a gradient, and otherwise `fast` for the values and
 `eager` for the backward. Tensor arguments are saved; other arguments pass through.
+
+split_last: see there.
 """
 
 from __future__ import annotations
@@ -59,3 +64,38 @@ def with_eager_backward(fast: Callable, eager: Callable) -> Callable:
     op.__module__ = fast.__module__
     op.__doc__ = fast.__doc__
     return op
+
+
+class _SplitLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, sizes):
+        ctx.sizes = sizes
+        return tuple(y.split(sizes, -1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _joined(grads, ctx.sizes), None
+
+
+def _joined(grads, sizes) -> torch.Tensor:
+    """The gradients of y's column blocks as one tensor: their common buffer itself where
+    they are its consecutive column blocks (no copy), else a concatenation."""
+    base = grads[0]._base if grads[0] is not None else None
+    if base is not None and base.is_contiguous() and base.shape[:-1] == grads[0].shape[:-1] \
+            and base.shape[-1] == sum(sizes):
+        views = base.split(sizes, -1)
+        if all(g is not None and g._base is base and g.data_ptr() == v.data_ptr() and g.stride() == v.stride()
+               for g, v in zip(grads, views)):
+            return base
+    ref = next(g for g in grads if g is not None)
+    return torch.cat([g if g is not None else ref.new_zeros(*ref.shape[:-1], n) for g, n in zip(grads, sizes)], -1)
+
+
+def split_last(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """y.split(sizes, -1) (the q/k/v or gate/up blocks of one fused GEMM output) whose
+    backward passes the consumers' gradients on as y's without copying them when they
+    are the consecutive blocks of one buffer (the compiled silu_mul backward writes d_gate
+    and d_up so); autograd's own split would concatenate them (a copy of y's size)."""
+    if not (torch.is_grad_enabled() and y.requires_grad):
+        return list(y.split(sizes, -1))
+    return list(_SplitLast.apply(y, list(sizes)))

@@ -17,6 +17,15 @@ one of those choices the AVX2 machine's, through each library's own switch:
     its AVX2 library and its GDN layer its torch conv.
 
 Tests run selected files under `MASKED_ENV` in a child process (tests/test_masked_cpu.py).
+
+A third kind came up as Intel Xeons with AMX (amx_bf16 beside AVX512-BF16). There oneDNN runs
+bf16 GEMMs on AMX tiles, and a row's bits then depend on the row count under every row padding
+tried (8, 16, 32, 64; measured: hundreds of rows of M = 1..600 differ at K 1024 / N 384 and K
+512 / N 3072). Capped at AVX512_CORE_BF16 they are invariant again, as on the EPYCs.
+`titan_rl.onednn_cap.apply()` sets that cap (ONEDNN_MAX_CPU_ISA, read when oneDNN makes its
+first primitive, so it works after torch is imported but not after a oneDNN GEMM ran); it runs
+when titan_rl is imported, and the bf16 GEMM's probe (kernels/matmul/torch_impl.py) falls back
+to the fp32 form where the cap came too late.
 """
 
 from __future__ import annotations

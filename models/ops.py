@@ -30,6 +30,7 @@ from titan_rl.kernels import (attention_dense, gdn_l2norm, gdn_recurrent, index_
                               linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads, silu_mul,
                               sparse_mla_attention, tree_sum)
 from titan_rl.kernels import rope as rope_exact
+from titan_rl.kernels.autograd import split_last
 from titan_rl.kernels.gdn import gdn_chunked, lane_stable
 from titan_rl.kernels.indexer.torch_impl import key_rows
 from titan_rl.kernels.layernorm.torch_impl import layer_norm_eager
@@ -134,12 +135,12 @@ class Ops:
         if mods[0].recipe is not None:
             if isinstance(packed, PackedQuant) or (packed is None and uses_quant_gemm(mods[0].recipe, x.dtype, x.device)):
                 y = quant_linear(x, quant_operands(mods) if packed is None else packed, mods[0].recipe)
-                return list(y.split([m.out_rows for m in mods], -1))
+                return split_last(y, [m.out_rows for m in mods])
             x = mods[0].operand_input(x)
             if packed is None:
                 ws = [m.operand_weight() for m in mods]
         y = self.linear(x, torch.cat(ws) if packed is None else packed)
-        return list(y.split([m.out_rows for m in mods], -1))
+        return split_last(y, [m.out_rows for m in mods])
 
 
 # -- the stock functions (plain torch) ------------------------------------------------------

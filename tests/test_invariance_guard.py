@@ -8,6 +8,10 @@ torch / MKL / oneDNN upgrade or a new CPU breaks one of these facts, this test n
 failing parameters; kernels/selfcheck.py then refuses exact mode at start-up.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -323,3 +327,37 @@ def test_a_training_step_is_thread_count_invariant(arch, recipe, dtype, rng):
         return [logits.detach(), loss.detach(), norm, *grads, *(p.detach() for p in m.parameters())]
 
     _same(_at_threads(step), f"{arch} {recipe} {dtype} training step")
+
+
+def test_onednn_cap_is_set_on_amx_cpus_only_and_never_over_a_choice(monkeypatch):
+    from titan_rl import onednn_cap
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(onednn_cap, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    onednn_cap.apply()
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ
+    monkeypatch.setattr(onednn_cap, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16"})
+    onednn_cap.apply()
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == onednn_cap.CAP
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    onednn_cap.apply()
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+@pytest.mark.skipif("amx_bf16" not in __import__("titan_rl.onednn_cap").onednn_cap.cpu_flags(),
+                    reason="no AMX on this CPU: oneDNN's bf16 GEMM is invariant uncapped")
+def test_on_amx_the_uncapped_bf16_gemm_is_caught_and_the_fp32_form_taken():
+    """On an AMX CPU, oneDNN left uncapped (ONEDNN_MAX_CPU_ISA=ALL) gives row-count-dependent
+    bf16 GEMMs: the probe sees it and the bf16 linears take the fp32 form; capped (titan_rl's
+    default) they run native."""
+    code = "import titan_rl; from titan_rl.kernels.matmul import torch_impl as t; print(t.BF16_GEMM)"
+    forms = {}
+    for isa in ("ALL", None):
+        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+        if isa:
+            env["ONEDNN_MAX_CPU_ISA"] = isa
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        forms[isa] = out.stdout.split()[-1]
+    assert forms == {"ALL": "fp32", None: mm.BF16_GEMM}
+    assert mm.BF16_GEMM == "native"

@@ -269,6 +269,45 @@ def test_silu_mul_matches_reference_and_is_row_invariant(width, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [7, 201])
+def test_silu_mul_on_the_halves_of_one_gemm_output_reads_and_writes_in_place(width, dtype, rng):
+    """gate and up as the two halves of one [M, 2I] output (Ops.same_input's split_last):
+    the same bits as separate tensors, forward and backward, at 1 and 2 threads; the
+    backward writes d_gate and d_up as the halves of one buffer, which split_last's
+    backward passes on as the output's gradient (the same tensor, no concatenation)."""
+    from tests._threads import threads
+    from titan_rl.kernels.autograd import _joined, split_last
+    from titan_rl.kernels.cpu_ext import ops
+    from titan_rl.kernels.elementwise import silu_mul
+
+    y = (3 * torch.randn(37, 2 * width, generator=rng)).to(dtype)
+    w = torch.randn(37, width, generator=rng).to(dtype)
+
+    def fused():
+        yy = y.clone().requires_grad_()
+        gate, up = split_last(yy, [width, width])
+        out = silu_mul(gate, up)
+        (out.float() * w.float()).sum().backward()
+        return out.detach(), yy.grad
+
+    def separate():
+        gg, uu = y[:, :width].clone().requires_grad_(), y[:, width:].clone().requires_grad_()
+        out = silu_mul(gg, uu)
+        (out.float() * w.float()).sum().backward()
+        return out.detach(), torch.cat([gg.grad, uu.grad], -1)
+
+    want = separate()
+    for n in (1, 2):
+        with threads(n):
+            got = fused()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+    dg, du = ops().silu_mul_backward(w, y[:, :width], y[:, width:])
+    assert dg._base is du._base and _joined((dg, du), [width, width]) is dg._base
+    apart = ops().silu_mul_backward(w, y[:, :width].contiguous(), y[:, width:].contiguous())
+    assert apart[0]._base is None and torch.equal(_joined(apart, [width, width]), dg._base)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [36, 200, 328])
 def test_silu_mul_gradient_is_the_same_on_a_tp_ranks_half_of_the_columns(width, dtype, rng):
     """A TP rank computes silu(gate) * up on its half of the columns (and on any number of
@@ -312,14 +351,46 @@ def test_rope_matches_reference_and_its_gradient(dtype, rng):
     assert bool(((xg.grad.double() - xr.grad).abs() <= rope_error_bound(w, torch.float32)).all())
 
 
-def test_rms_norm_gradient_is_the_eager_one(rng):
+def _rms_grads(x, w, g):
+    xx, ww = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (rms_norm(xx, ww, 1e-6).float() * g.float()).sum().backward()
+    return xx.grad, ww.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [77, 200, 333])
+def test_rms_norm_backward_is_close_to_fp64_and_invariant(width, dtype, rng):
+    """The compiled backward (csrc/rowwise.cpp rms_norm_backward). Closeness to the fp64
+    gradient of the same function: fp32 within 1e-5 of the largest entry (fp32 sums of
+    `width` terms); bf16 within 2e-2 (the forward rounds the normalised row to bf16, which
+    the fp64 reference does not, and the gradients are rounded to bf16). Invariance, bitwise:
+    a row's input gradient alone == in any batch; both gradients at 1 == 2 threads; the
+    weight gradient's per-head partial depends on that head's rows only (a TP rank holding
+    some heads gets the unsharded call's partials)."""
+    from tests._threads import threads
+    from titan_rl.kernels.cpu_ext import ops
     from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
 
-    x = torch.randn(30, 200, generator=rng, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(200, generator=rng)).requires_grad_()
-    g = torch.randn(30, 200, generator=rng)
-    (rms_norm(x, w, 1e-6) * g).sum().backward()
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    (rms_norm_eager(x2, w2, 1e-6) * g).sum().backward()
-    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+    x = (3 * torch.randn(69, width, generator=rng)).to(dtype)
+    w = (1 + 0.1 * torch.randn(width, generator=rng)).to(dtype)
+    g = torch.randn(69, width, generator=rng).to(dtype)
+    gx, gw = _rms_grads(x, w, g)
+    assert gx.dtype == dtype and gw.dtype == dtype
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    (rms_norm_eager(x64, w64, 1e-6) * g.double()).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, ref in ((gx, x64.grad), (gw, w64.grad)):
+        assert (got.double() - ref).abs().max() <= tol * ref.abs().max(), (got.double() - ref).abs().max()
+    for rows in (slice(0, 1), slice(0, 5), slice(3, 40), slice(68, 69)):
+        assert torch.equal(_rms_grads(x[rows], w, g[rows])[0], gx[rows]), rows
+    with threads(1):
+        one = _rms_grads(x, w, g)
+    with threads(2):
+        two = _rms_grads(x, w, g)
+    assert all(torch.equal(a, b) for a, b in zip(one, (gx, gw))) and all(torch.equal(a, b) for a, b in zip(two, one))
+    x3, g3 = x[:69].view(23, 3, width), g[:69].view(23, 3, width)
+    _, parts = ops().rms_norm_backward(g3, x3, w, 1e-6, 3)
+    for h in range(3):
+        _, alone = ops().rms_norm_backward(g3[:, h].contiguous(), x3[:, h].contiguous(), w, 1e-6, 1)
+        assert torch.equal(parts[h], alone[0]), h
+    assert torch.equal(ops().rms_norm_backward(g, x, w, 1e-6, 1)[1][0].to(dtype), gw)

@@ -8,9 +8,13 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
 
 namespace titan_rl {
 namespace {
@@ -30,28 +34,102 @@ void silu_mul_bf16(const uint16_t* __restrict g, const uint16_t* __restrict u, u
   }
 }
 
+// The gradient of silu(g) * u, every element alone in fp32 from its own grad, gate and
+// up (rounded once to the storage type at the end): sig = 1 / (1 + exp(-g)),
+// d_gate = grad * u * sig * (1 + g * (1 - sig)), d_up = grad * (g * sig).
+inline float ld(float x) { return x; }
+inline float ld(uint16_t x) { return bf16_to_f(x); }
+inline void st(float& o, float v) { o = v; }
+inline void st(uint16_t& o, float v) { o = f_to_bf16(v); }
+
+template <typename S>
+void silu_mul_bwd_span(const S* __restrict gr, const S* __restrict g, const S* __restrict u, S* __restrict dg,
+                       S* __restrict du, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = ld(g[i]), gd = ld(gr[i]);
+    const float sig = 1.0f / (1.0f + exp_f(-gv));
+    st(dg[i], gd * ld(u[i]) * sig * (1.0f + gv * (1.0f - sig)));
+    st(du[i], gd * (gv * sig));
+  }
+}
+
 void exp_f32(const float* __restrict x, float* __restrict y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_f(x[i]);
 }
 
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(), "silu_mul: shapes/dtypes differ");
-  const at::Tensor g = gate.contiguous(), u = up.contiguous();
-  at::Tensor o = at::empty_like(g);
-  const int64_t n = g.numel();
+// Rows of a [M, I] operand: unit column stride, any row stride (gate and up are often the
+// two halves of one [M, 2I] GEMM output, read in place).
+at::Tensor rows_of(const at::Tensor& t) { return t.dim() == 2 && t.stride(1) == 1 ? t : t.contiguous(); }
+
+at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
+  TORCH_CHECK(gate_in.dim() == 2 && gate_in.sizes() == up_in.sizes() && gate_in.scalar_type() == up_in.scalar_type(),
+              "silu_mul: [M, I] operands of one shape and dtype expected");
+  const at::Tensor g = rows_of(gate_in), u = rows_of(up_in);
+  const int64_t M = g.size(0), I = g.size(1), gs = g.stride(0), us = u.stride(0);
+  at::Tensor o = at::empty({M, I}, g.options());
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
   if (g.scalar_type() == at::kFloat) {
-    const float *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
+    const float *gp = g.data_ptr<float>(), *upp = u.data_ptr<float>();
     float* op = o.data_ptr<float>();
-    at::parallel_for(0, n, 16384, [=](int64_t b, int64_t e) { silu_mul_f32(gp + b, up + b, op + b, e - b); });
+    at::parallel_for(0, M, grain, [=](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) silu_mul_f32(gp + r * gs, upp + r * us, op + r * I, I);
+    });
   } else if (g.scalar_type() == at::kBFloat16) {
     auto gp = reinterpret_cast<const uint16_t*>(g.data_ptr<c10::BFloat16>());
-    auto up = reinterpret_cast<const uint16_t*>(u.data_ptr<c10::BFloat16>());
+    auto upp = reinterpret_cast<const uint16_t*>(u.data_ptr<c10::BFloat16>());
     auto op = reinterpret_cast<uint16_t*>(o.data_ptr<c10::BFloat16>());
-    at::parallel_for(0, n, 16384, [=](int64_t b, int64_t e) { silu_mul_bf16(gp + b, up + b, op + b, e - b); });
+    at::parallel_for(0, M, grain, [=](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) silu_mul_bf16(gp + r * gs, upp + r * us, op + r * I, I);
+    });
   } else {
     TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only");
   }
   return o;
+}
+
+// d_gate, d_up of silu_mul for `grad` ([M, I] each, one dtype: float32 or bfloat16).
+// Where gate and up are the two halves of one [M, 2I] tensor, d_gate and d_up are the
+// two halves of one [M, 2I] buffer (kernels/autograd.py's split_last then passes that
+// buffer on as the fused GEMM's gradient without a copy).
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate_in,
+                                                     const at::Tensor& up_in) {
+  TORCH_CHECK(gate_in.dim() == 2 && gate_in.sizes() == up_in.sizes() && grad.sizes() == gate_in.sizes() &&
+                  gate_in.scalar_type() == up_in.scalar_type() && grad.scalar_type() == gate_in.scalar_type(),
+              "silu_mul_backward: [M, I] operands of one shape and dtype expected");
+  const at::Tensor gr = rows_of(grad), g = rows_of(gate_in), u = rows_of(up_in);
+  const int64_t M = g.size(0), I = g.size(1), rs = gr.stride(0), gs = g.stride(0), us = u.stride(0);
+  const bool halves = gs == 2 * I && us == 2 * I &&
+                      static_cast<const char*>(u.data_ptr()) == static_cast<const char*>(g.data_ptr()) + I * g.element_size();
+  at::Tensor dg, du;
+  if (halves) {
+    const at::Tensor buf = at::empty({M, 2 * I}, g.options());
+    dg = buf.narrow(1, 0, I);
+    du = buf.narrow(1, I, I);
+  } else {
+    dg = at::empty({M, I}, g.options());
+    du = at::empty({M, I}, g.options());
+  }
+  const int64_t os = dg.stride(0);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
+  if (g.scalar_type() == at::kFloat) {
+    const float *rp = gr.data_ptr<float>(), *gp = g.data_ptr<float>(), *upp = u.data_ptr<float>();
+    float *a = dg.data_ptr<float>(), *b = du.data_ptr<float>();
+    at::parallel_for(0, M, grain, [=](int64_t s, int64_t e) {
+      for (int64_t r = s; r < e; ++r)
+        silu_mul_bwd_span<float>(rp + r * rs, gp + r * gs, upp + r * us, a + r * os, b + r * os, I);
+    });
+  } else if (g.scalar_type() == at::kBFloat16) {
+    using U = uint16_t;
+    auto p = [](const at::Tensor& t) { return reinterpret_cast<U*>(t.data_ptr<c10::BFloat16>()); };
+    const U *rp = p(gr), *gp = p(g), *upp = p(u);
+    U *a = p(dg), *b = p(du);
+    at::parallel_for(0, M, grain, [=](int64_t s, int64_t e) {
+      for (int64_t r = s; r < e; ++r) silu_mul_bwd_span<U>(rp + r * rs, gp + r * gs, upp + r * us, a + r * os, b + r * os, I);
+    });
+  } else {
+    TORCH_CHECK(false, "silu_mul_backward: float32 or bfloat16 only");
+  }
+  return {dg, du};
 }
 
 // exp(x) elementwise in fp32 (the attention kernel's exp_f), for tests and the
@@ -71,5 +149,6 @@ at::Tensor exp_fixed(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &titan_rl::silu_mul);
+  m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)", &titan_rl::silu_mul_backward);
   m.def("exp_fixed(Tensor x) -> Tensor", &titan_rl::exp_fixed);
 }

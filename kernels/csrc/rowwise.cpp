@@ -9,7 +9,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
 namespace titan_rl {
 namespace {
@@ -64,6 +66,106 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   else if (wb) rms_rows<float, B, float>(ptr<float>(x), ptr<B>(w), ptr<float>(o), rows, N, e);
   else rms_rows<float, float, float>(ptr<float>(x), ptr<float>(w), ptr<float>(o), rows, N, e);
   return o;
+}
+
+// The gradient of rms_norm (the function above, its rounding of the normalised row taken
+// as the identity, as autograd takes it), in fp32:
+//   gx_j = inv * gn_j - x_j * ((inv * inv * inv) * (dot / N)),  gn_j = grad_j * w_j,
+//   dot = sum_j gn_j * x_j (LANES partial sums and the fixed tree, as the forward's sum
+//   of squares), inv the forward's, recomputed by the same operations;
+//   gw_parts[h][j] = sum over the rows r of head h (r mod H == h) of grad_rj * y_rj,
+//   y the forward's rounded normalised row; the k-th row of a head goes into partial sum
+//   k mod LANES, the partials added by the fixed tree.
+// A row's gx depends on that row alone, a column's partial on its column alone: threads
+// split rows (gx) and column blocks (gw), so neither depends on the thread count.
+template <typename TG, typename TX, typename TW>
+void rms_backward_rows(const TG* g, const TX* x, const TW* w, TX* gx, float* gw, float* inv_rows, int64_t rows,
+                       int64_t N, int64_t H, float eps) {
+  at::parallel_for(0, rows, 64, [=](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const TX* xr = x + r * N;
+      const TG* gr = g + r * N;
+      float sq[LANES], dt[LANES];
+      for (int l = 0; l < LANES; ++l) sq[l] = dt[l] = 0.0f;
+      const int64_t full = N - N % LANES;
+      for (int64_t i0 = 0; i0 < full; i0 += LANES)
+        for (int l = 0; l < LANES; ++l) {
+          const float v = to_f(xr[i0 + l]);
+          sq[l] = sq[l] + v * v;
+          dt[l] = dt[l] + (to_f(gr[i0 + l]) * to_f(w[i0 + l])) * v;
+        }
+      for (int64_t i = full; i < N; ++i) {
+        const float v = to_f(xr[i]);
+        sq[i - full] = sq[i - full] + v * v;
+        dt[i - full] = dt[i - full] + (to_f(gr[i]) * to_f(w[i])) * v;
+      }
+      const float inv = 1.0f / std::sqrt(lane_tree(sq) / static_cast<float>(N) + eps);
+      const float c = (inv * inv) * inv * (lane_tree(dt) / static_cast<float>(N));
+      inv_rows[r] = inv;
+      TX* out = gx + r * N;
+      for (int64_t i = 0; i < N; ++i) out[i] = from_f<TX>(inv * (to_f(gr[i]) * to_f(w[i])) - to_f(xr[i]) * c);
+    }
+  });
+  constexpr int64_t CB = 64;  // columns per block
+  const int64_t per_head = H ? rows / H : 0;
+  const int64_t blocks = (N + CB - 1) / CB;
+  at::parallel_for(0, H * blocks, 1, [=](int64_t b, int64_t e) {
+    float acc[LANES][CB];
+    for (int64_t hb = b; hb < e; ++hb) {
+      const int64_t h = hb / blocks, j0 = (hb % blocks) * CB, nj = std::min(CB, N - j0);
+      for (int l = 0; l < LANES; ++l)
+        for (int64_t j = 0; j < CB; ++j) acc[l][j] = 0.0f;
+      for (int64_t k = 0; k < per_head; ++k) {
+        const int64_t r = k * H + h;
+        const TX* xr = x + r * N + j0;
+        const TG* gr = g + r * N + j0;
+        const float inv = inv_rows[r];
+        float* a = acc[k % LANES];
+        for (int64_t j = 0; j < nj; ++j) a[j] = a[j] + to_f(gr[j]) * to_f(from_f<TX>(to_f(xr[j]) * inv));
+      }
+      for (int64_t j = 0; j < nj; ++j) {
+        float t[LANES];
+        for (int l = 0; l < LANES; ++l) t[l] = acc[l][j];
+        gw[h * N + j0 + j] = lane_tree(t);
+      }
+    }
+  });
+}
+
+// grad, x [..., N] (rows = numel / N, grouped as (token, head) with H heads per token),
+// weight [N]. Returns gx (x's dtype, x's shape) and the weight gradient's per-head
+// partials [H, N] in fp32 (H = 1: the weight gradient itself, in fp32).
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_in, const at::Tensor& x_in,
+                                                     const at::Tensor& w_in, double eps, int64_t heads) {
+  const at::Tensor g = grad_in.contiguous(), x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t N = x.size(-1);
+  TORCH_CHECK(w.numel() == N && g.sizes() == x.sizes(), "rms_norm_backward: weight [N] and grad of x's shape expected");
+  const int64_t rows = N ? x.numel() / N : 0;
+  TORCH_CHECK(heads >= 1 && rows % heads == 0, "rms_norm_backward: ", rows, " rows are not whole tokens of ", heads,
+              " heads");
+  const bool gb = g.scalar_type() == at::kBFloat16, xb = x.scalar_type() == at::kBFloat16,
+             wb = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((gb || g.scalar_type() == at::kFloat) && (xb || x.scalar_type() == at::kFloat) &&
+                  (wb || w.scalar_type() == at::kFloat),
+              "rms_norm_backward: float32 or bfloat16 only");
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  at::Tensor gw = at::empty({heads, N}, x.options().dtype(at::kFloat));
+  at::Tensor inv = at::empty({rows}, x.options().dtype(at::kFloat));
+  const float e = static_cast<float>(eps);
+  using B = c10::BFloat16;
+  float *gwp = ptr<float>(gw), *ip = ptr<float>(inv);
+#define TITAN_RMS_BWD(TG, TX, TW) \
+  rms_backward_rows<TG, TX, TW>(ptr<TG>(g), ptr<TX>(x), ptr<TW>(w), ptr<TX>(gx), gwp, ip, rows, N, heads, e)
+  if (gb && xb && wb) TITAN_RMS_BWD(B, B, B);
+  else if (gb && xb) TITAN_RMS_BWD(B, B, float);
+  else if (gb && wb) TITAN_RMS_BWD(B, float, B);
+  else if (gb) TITAN_RMS_BWD(B, float, float);
+  else if (xb && wb) TITAN_RMS_BWD(float, B, B);
+  else if (xb) TITAN_RMS_BWD(float, B, float);
+  else if (wb) TITAN_RMS_BWD(float, float, B);
+  else TITAN_RMS_BWD(float, float, float);
+#undef TITAN_RMS_BWD
+  return {gx, gw};
 }
 
 // Rotate-half RoPE, HF semantics in x's dtype: out = round(round(x * c) + round(rot(x) * s)),
@@ -162,6 +264,8 @@ void kv_cache_write(at::Tensor& cache, const at::Tensor& key_in, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &titan_rl::rms_norm);
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps, int heads) -> (Tensor, Tensor)",
+        &titan_rl::rms_norm_backward);
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor", &titan_rl::rope);
   m.def("kv_cache_write(Tensor(a!) cache, Tensor key, Tensor value, Tensor slots, bool pairs=False) -> ()",
         &titan_rl::kv_cache_write);

@@ -8,9 +8,10 @@ the row counts 1..50 changed a row's F.silu bits), a row's activation then depen
 how many rows share the call.
 
 * `silu_mul(gate, up)` = silu(gate) * up: compiled (kernels/csrc/elementwise.cpp), every
-  element through the same IEEE operations and polynomial exp. Backward in torch with its
-  sigmoid through `lane_stable`: a TP rank holds half of each row, and its gradient must
-  be the unsharded one's bits (training is layout-invariant, not only the forward).
+  element through the same IEEE operations and polynomial exp. Its backward is compiled
+  too (`silu_mul_backward`, every element alone in fp32): a TP rank holds half of each
+  row, and its gradient must be the unsharded one's bits (training is layout-invariant,
+  not only the forward); one call instead of a dozen torch ops.
 * RoPE: cos/sin come from a per-process table built in chunks of exactly TABLE_CHUNK
   positions (every chunk one call of the same shape, so a position's cos/sin bits are
   the same whichever forward first needed it); the rotation (multiplies and adds) is one
@@ -34,23 +35,18 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from titan_rl.kernels.gdn.torch_impl import lane_stable
-
         gate, up = ctx.saved_tensors
-        g = gate.float()
-        sig = lane_stable(torch.sigmoid, g)  # the rest are IEEE multiplies and adds
-        silu = g * sig
-        gf = grad.float()
-        d_gate = gf * up.float() * sig * (1 + g * (1 - sig))
-        d_up = gf * silu
-        return d_gate.to(gate.dtype), d_up.to(up.dtype)
+        return _ops().silu_mul_backward(grad.to(gate.dtype), gate, up)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (HF's act_fn(gate_proj(x)) * up_proj(x)), row-invariant."""
+    """silu(gate) * up (HF's act_fn(gate_proj(x)) * up_proj(x)), row-invariant. gate and up
+    may be the two halves of one GEMM output (read in place, no copy)."""
+    lead, width = gate.shape[:-1], gate.shape[-1]
+    g2, u2 = gate.reshape(-1, width), up.reshape(-1, width)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SiluMul.apply(gate, up)
-    return _ops().silu_mul(gate, up)
+        return _SiluMul.apply(g2, u2).reshape(*lead, width)
+    return _ops().silu_mul(g2, u2).reshape(*lead, width)
 
 
 _TABLES: dict = {}  # (d, theta, device) -> [cos fp32 [n, d], sin fp32 [n, d], {dtype: (cos, sin)}]

@@ -45,8 +45,25 @@ def _native_bf16() -> bool:
         return False
 
 
+def _native_bf16_invariant() -> bool:
+    """Whether oneDNN's bf16 GEMM keeps a row's bits whatever the row count, probed where AMX
+    broke it (K 1024, N 384: rows 24-25 of 33 differ from those rows alone; titan_rl caps
+    oneDNN below AMX at import, titan_rl/onednn_cap.py, and this catches a cap that came
+    after oneDNN's first GEMM). A few milliseconds, once per process."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 1024, generator=g).bfloat16()
+    x = torch.randn(40, 1024, generator=g).bfloat16()
+    pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    whole = torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
+    for r0 in (0, 24, 32):
+        alone = torch.ops.mkldnn._linear_pointwise(x[r0:r0 + 8].contiguous(), pw, None, "none", [], "")
+        if not torch.equal(alone, whole[r0:r0 + 8]):
+            return False
+    return True
+
+
 GEMM = "onednn" if torch.backends.mkldnn.is_available() else "mm"
-BF16_GEMM = "native" if GEMM == "onednn" and _native_bf16() else "fp32"
+BF16_GEMM = "native" if GEMM == "onednn" and _native_bf16() and _native_bf16_invariant() else "fp32"
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,8 +1,12 @@
 """RMSNorm on CPU: one compiled call per norm (kernels/csrc/rowwise.cpp), Qwen3/HF
 semantics (normalise in fp32, round to the input dtype, scale by the weight). A row's sum
 of squares is 16 partial sums combined by a fixed tree, so its bits depend on the row
-alone. The backward is the gradient of the same function in eager torch (recomputed):
-only the forward has to match the engine bit for bit.
+alone. The backward is compiled too (`rms_norm_backward`, fp32, the same lanes and tree):
+a row's input gradient depends on the row alone, the weight gradient's sum over rows on
+nothing but the rows (a fixed order, threads split columns). Only the forward has to
+match the engine bit for bit; the backward must not depend on threads or layout.
+`rms_norm_eager` is the same function in plain torch (stock mode, the Triton form's
+backward).
 """
 
 from typing import Callable
@@ -31,10 +35,8 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            gx, gw = torch.autograd.grad(rms_norm_eager(x_, w_, ctx.eps), (x_, w_), grad)
-        return gx, gw, None
+        gx, gw = _ops().rms_norm_backward(grad, x, weight, ctx.eps, 1)
+        return gx, gw[0].to(weight.dtype), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +63,11 @@ class _HeadRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        if x.device.type == "cpu":  # the compiled backward, its per-head partials
+            gx, parts = _ops().rms_norm_backward(grad, x, weight, ctx.eps, x.shape[-2])
+            if ctx.gather is not None:
+                parts = ctx.gather(parts)
+            return gx, padded_tree_sum(parts, ctx.tree).to(weight.dtype), None, None, None, None
         with torch.enable_grad():
             x_ = x.detach().requires_grad_()
             xf = x_.float()

@@ -1,0 +1,33 @@
+"""oneDNN capped below AMX on AMX CPUs: the one environment choice titan_rl makes at import.
+
+Why (kernels/cpu_features.py has the measurements): oneDNN's AMX bf16 GEMMs give a row bits
+that depend on the row count; capped at AVX512_CORE_BF16 they are batch-invariant. oneDNN reads
+ONEDNN_MAX_CPU_ISA when it makes its first primitive, so this runs when titan_rl is imported
+(before any of our GEMMs) and imports nothing heavy: `python -m titan_rl.train` still sets the
+variables torch reads at import before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+
+CAP = "AVX512_CORE_BF16"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def apply() -> None:
+    """On AMX CPUs, ONEDNN_MAX_CPU_ISA = CAP unless it is set already (the masked switch's
+    AVX2, or a user's choice)."""
+    if "ONEDNN_MAX_CPU_ISA" not in os.environ and "amx_bf16" in cpu_flags():
+        os.environ["ONEDNN_MAX_CPU_ISA"] = CAP
