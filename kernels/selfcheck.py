@@ -79,7 +79,7 @@ def platform_choices(device: torch.device | str = "cpu") -> dict:
     from titan_rl.kernels.matmul import torch_impl as mm
 
     return {"backend": backend, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gemm": mm.GEMM,
-            "bf16_gemm": mm.BF16_GEMM, "lm_head": _head_form(), "quant_gemm": _quant_gemm_form(),
+            "bf16_gemm": mm.bf16_gemm(), "lm_head": _head_form(), "quant_gemm": _quant_gemm_form(),
             # which instructions compute the dpbf16 forms: not bit-relevant (csrc/dpbf16_avx2.h)
             "dpbf16": _dpbf16_implementation(), "linear_row_multiple": mm.ROW_MULTIPLE, "linear_min_n": mm.MIN_N,
             "attention": f"compiled, fixed order per row (kernels/csrc/paged_attention.cpp), bf16 form {_attn_form()}",

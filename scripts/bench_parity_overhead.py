@@ -235,12 +235,12 @@ def main(argv=None):
         res["stock_config"] = res["rollout"]["stock_config"]
     # The physical limit: every FLOP at the platform's measured GEMM peak in the dtype the
     # exact engine's GEMMs run in (kernels.matmul.gemm_dtype).
-    from titan_rl.kernels.matmul.torch_impl import BF16_GEMM, gemm_dtype
+    from titan_rl.kernels.matmul.torch_impl import bf16_gemm, gemm_dtype
 
     peak_dtype = gemm_dtype(getattr(torch, args.dtype))
     res["gemm_peak_gflops"] = gemm_peak_gflops(peak_dtype)
     res["gemm_peak_dtype"] = str(peak_dtype).replace("torch.", "")
-    res["bf16_gemm"] = BF16_GEMM
+    res["bf16_gemm"] = bf16_gemm()
     for k in ("train", "rollout"):
         if k in res:
             limit = res[k]["flops"] / (res["gemm_peak_gflops"] * 1e9)
@@ -268,7 +268,7 @@ def main(argv=None):
                 print(f"{'  ' + k + ', stock ' + c:28s}{'':>14s}{s['tokens_per_s']:>14.1f}"
                       f"{res[k + '_slowdown_vs_' + c]:>9.2f}x{'':>13s}{s['x_limit']:>12.1f}x{mark}")
     print(f"threads {res['threads']}; limit = FLOPs at the measured {res['gemm_peak_dtype']} GEMM peak "
-          f"({res['gemm_peak_gflops']:.1f} GFLOP/s); bf16 GEMM form here: {BF16_GEMM}")
+          f"({res['gemm_peak_gflops']:.1f} GFLOP/s); bf16 GEMM form here: {bf16_gemm()}")
     if args.json:
         write_json(args.json, res)
     return 0

@@ -85,7 +85,7 @@ def test_log_softmax_rows_invariant_full_vocab(at_1_and_2_threads, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("K,N", [(96, 200), (200, 96), (96, 1000), (1000, 96), (13, 7), (33, 8)])
-@pytest.mark.parametrize("bf16_gemm", sorted({mm.BF16_GEMM, "fp32"}))
+@pytest.mark.parametrize("bf16_gemm", sorted({mm.bf16_gemm(), "fp32"}))
 def test_linear_rows_invariant_odd_sizes(K, N, dtype, bf16_gemm, at_1_and_2_threads, rng, monkeypatch):
     """Widths that are not multiples of 16 or 64 (the hidden-96 / intermediate-200 /
     vocab-1000 checkpoint shapes, a router), in this platform's bf16 GEMM form and in the
@@ -350,7 +350,7 @@ def test_on_amx_the_uncapped_bf16_gemm_is_caught_and_the_fp32_form_taken():
     """On an AMX CPU, oneDNN left uncapped (ONEDNN_MAX_CPU_ISA=ALL) gives row-count-dependent
     bf16 GEMMs: the probe sees it and the bf16 linears take the fp32 form; capped (titan_rl's
     default) they run native."""
-    code = "import titan_rl; from titan_rl.kernels.matmul import torch_impl as t; print(t.BF16_GEMM)"
+    code = "import titan_rl; from titan_rl.kernels.matmul import torch_impl as t; print(t.bf16_gemm())"
     forms = {}
     for isa in ("ALL", None):
         env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
@@ -359,5 +359,5 @@ def test_on_amx_the_uncapped_bf16_gemm_is_caught_and_the_fp32_form_taken():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         forms[isa] = out.stdout.split()[-1]
-    assert forms == {"ALL": "fp32", None: mm.BF16_GEMM}
-    assert mm.BF16_GEMM == "native"
+    assert forms == {"ALL": "fp32", None: mm.bf16_gemm()}
+    assert mm.bf16_gemm() == "native"

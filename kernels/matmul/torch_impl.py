@@ -13,7 +13,7 @@ The GEMM (`GEMM`, chosen once per platform and reported by the self-check):
             CPU linears use): faster than torch.mm in fp32 (docs/kernels.md has the
             figures), invariant under the rule above;
   "mm":     torch.mm (BLAS), where torch has no oneDNN.
-bf16 (`BF16_GEMM`): "native" bf16 GEMMs where the CPU has bf16 instructions; else "fp32":
+bf16 (`bf16_gemm()`): "native" bf16 GEMMs where the CPU has bf16 instructions; else "fp32":
 operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (faster than a bf16 GEMM
 without those instructions: docs/kernels.md).
 
@@ -49,26 +49,39 @@ def _native_bf16_invariant() -> bool:
     """Whether oneDNN's bf16 GEMM keeps a row's bits whatever the row count, probed where AMX
     broke it (K 1024, N 384: rows 24-25 of 33 differ from those rows alone; titan_rl caps
     oneDNN below AMX at import, titan_rl/onednn_cap.py, and this catches a cap that came
-    after oneDNN's first GEMM). A few milliseconds, once per process."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(384, 1024, generator=g).bfloat16()
-    x = torch.randn(40, 1024, generator=g).bfloat16()
-    pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    whole = torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
-    for r0 in (0, 24, 32):
-        alone = torch.ops.mkldnn._linear_pointwise(x[r0:r0 + 8].contiguous(), pw, None, "none", [], "")
-        if not torch.equal(alone, whole[r0:r0 + 8]):
-            return False
-    return True
+    after oneDNN's first GEMM). A few milliseconds, on one thread: processes fork engine
+    workers and test ranks, and a child forked after an OpenMP region ran on several
+    threads hangs at its first parallel region."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(384, 1024, generator=g).bfloat16()
+        x = torch.randn(40, 1024, generator=g).bfloat16()
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        whole = torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
+        return all(torch.equal(torch.ops.mkldnn._linear_pointwise(x[r:r + 8].contiguous(), pw, None, "none", [], ""),
+                               whole[r:r + 8]) for r in (0, 24, 32))
+    finally:
+        torch.set_num_threads(n)
 
 
 GEMM = "onednn" if torch.backends.mkldnn.is_available() else "mm"
-BF16_GEMM = "native" if GEMM == "onednn" and _native_bf16() and _native_bf16_invariant() else "fp32"
+BF16_GEMM = None  # "native" or "fp32": bf16_gemm() decides it at the first question, not at import
+
+
+def bf16_gemm() -> str:
+    """The bf16 GEMM form here: "native" (oneDNN's bf16 GEMM, where the CPU has bf16
+    instructions and it is batch-invariant) or "fp32" (operands upcast)."""
+    global BF16_GEMM
+    if BF16_GEMM is None:
+        BF16_GEMM = "native" if GEMM == "onednn" and _native_bf16() and _native_bf16_invariant() else "fp32"
+    return BF16_GEMM
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the GEMM of a `dtype` linear runs in on this platform."""
-    return torch.float32 if dtype == torch.bfloat16 and BF16_GEMM == "fp32" else dtype
+    return torch.float32 if dtype == torch.bfloat16 and bf16_gemm() == "fp32" else dtype
 
 
 class PackedWeight:
@@ -82,7 +95,7 @@ class PackedWeight:
         self.n, self.k = w.shape
         if self.n < MIN_N:
             w = torch.cat([w, w.new_zeros(MIN_N - self.n, self.k)])
-        self.gemm, self.bf16_gemm = GEMM, BF16_GEMM
+        self.gemm, self.bf16_gemm = GEMM, bf16_gemm()
         self.data = torch.ops.mkldnn._reorder_linear_weight(w, None) if GEMM == "onednn" else w
 
     @property
@@ -92,7 +105,7 @@ class PackedWeight:
 
 def _gemm(x2: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     """x2 [M, K] (in the GEMM dtype) @ weight^T -> [M, N], M padded inside one call."""
-    if (pw.gemm, pw.bf16_gemm) != (GEMM, BF16_GEMM):
+    if (pw.gemm, pw.bf16_gemm) != (GEMM, bf16_gemm()):
         raise RuntimeError("PackedWeight was made under another GEMM choice; pack it again")
     m = x2.shape[0]
     pad = (-m) % ROW_MULTIPLE if m else ROW_MULTIPLE
