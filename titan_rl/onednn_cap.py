@@ -26,8 +26,28 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def allow_amx_tiles() -> None:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), as
+    oneDNN does before its first AMX kernel. Capped, oneDNN never asks, and vLLM's own CPU
+    attention (the stock engine) runs AMX instructions where torch reports AMX: without the
+    permission the process dies of SIGILL (seen in the suite's stock Qwen3-Next cells)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18)  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+    except (OSError, AttributeError):
+        pass
+
+
 def apply() -> None:
     """On AMX CPUs, ONEDNN_MAX_CPU_ISA = CAP unless it is set already (the masked switch's
-    AVX2, or a user's choice)."""
-    if "ONEDNN_MAX_CPU_ISA" not in os.environ and "amx_bf16" in cpu_flags():
+    AVX2, or a user's choice), and the AMX tile permission requested for the others that use
+    AMX in this process."""
+    if "amx_bf16" not in cpu_flags():
+        return
+    allow_amx_tiles()
+    if "ONEDNN_MAX_CPU_ISA" not in os.environ:
         os.environ["ONEDNN_MAX_CPU_ISA"] = CAP
