@@ -13,8 +13,9 @@ one of those choices the AVX2 machine's, through each library's own switch:
     so the AVX512 forms are absent from the binary, not merely skipped;
   * ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (read by torch and oneDNN when they
     load: set in the environment before the process starts, `MASKED_ENV`);
-  * torch.cpu's AVX512 probes answer False (`apply()`), which is how vLLM's CPU platform picks
-    its AVX2 library and its GDN layer its torch conv.
+  * torch.cpu's AVX512 and AMX probes answer False (`apply()`), which is how vLLM's CPU
+    platform picks its AVX2 library, its GDN layer its torch conv and its attention a non-AMX
+    form.
 
 Tests run selected files under `MASKED_ENV` in a child process (tests/test_masked_cpu.py).
 
@@ -64,3 +65,6 @@ def apply() -> None:
                            f"them at load); missing or different: {sorted(missing) or 'ATen capability'}")
     torch.cpu._is_avx512_supported = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: False
+    # vLLM's CPU attention takes its AMX form where this says so (an AVX2 machine has none;
+    # its AVX2 library then refuses the configuration: seen on an AMX Xeon, 2026-12-05)
+    torch.cpu._is_amx_tile_supported = lambda: False

@@ -144,7 +144,12 @@ def test_distance_to_torchaos_arithmetic(recipe):
     dense = (x_fq.double() @ torch.cat([fake_quantize(w, recipe, "weight") for w in ws]).double().t()).bfloat16()
     scale = x_deq.abs() @ w_deq.abs().t()
     some = scale > 0  # not the zero rows
-    assert ((got - ref).abs()[some] / scale[some]).mean() <= ((dense.double() - ref).abs()[some] / scale[some]).mean()
+    # "not smaller", up to one part in 2^8: on most draws the fast form's mean is 0.44-0.80 of
+    # the dense form's (120 draws, 2026-12-05), but where the fp32 sums are exact the two
+    # forms round the same sums and the means can differ in their last bits (seen once: 1.0000x)
+    fast_err = ((got - ref).abs()[some] / scale[some]).mean()
+    dense_err = ((dense.double() - ref).abs()[some] / scale[some]).mean()
+    assert fast_err <= dense_err * (1 + 2**-8), (fast_err, dense_err)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
