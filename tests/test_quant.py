@@ -183,19 +183,33 @@ def _bit_view(t):
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_fp8_rowwise_fake_quantize_is_torchaos_composition(dtype):
-    """The compiled one-pass fp8_rowwise fake quantization (csrc/fake_quant.cpp) against
-    dequantize(quantize(x)) on torchao's primitives: fresh random shapes (odd K), row
-    magnitudes from 1e-14 (below the amax floor) to 1e6, zero rows, +-inf and NaN.
-    Bits equal everywhere except NaN payloads (NaN positions must agree)."""
-    from titan_rl.kernels.quant.torch_impl import fp8_dequantize, fp8_rowwise, fp8_rowwise_fake
+def _assert_same_bits_nan_aside(got, want, where):
+    """Bits equal everywhere except NaN payloads (NaN positions must agree)."""
+    assert torch.equal(got.isnan(), want.isnan()), where
+    assert torch.equal(torch.where(got.isnan(), 0, _bit_view(got)), torch.where(want.isnan(), 0, _bit_view(want))), where
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("recipe, role", [("fp8_rowwise", "weight"), ("fp8_block", "weight"),
+                                          ("fp8_block", "activation"), ("mxfp8", "weight")])
+def test_fused_fp8_fake_quantize_is_torchaos_composition(recipe, role, dtype):
+    """The compiled one-pass fp8 / mxfp8 fake quantization (csrc/fake_quant.cpp) against
+    dequantize(quantize(x)) on torchao's primitives: fresh random shapes (odd K and block
+    counts where the recipe's block allows), magnitudes from 1e-14 (below the amax floor)
+    to 1e6 varying by row and by column block, zero rows, +-inf and NaN. A row (or a
+    128-row tile) alone gives its bits inside the batch."""
+    from titan_rl.kernels.quant import fake_quantize
+    from titan_rl.kernels.quant.torch_impl import RECIPES
+
+    impl = RECIPES[recipe]
+    br, bc = impl.weight_block if role == "weight" else impl.activation_block
     g = torch.Generator()
     g.seed()
-    for trial in range(60):
-        m, k = int(torch.randint(1, 300, (), generator=g)), int(torch.randint(2, 300, (), generator=g))  # torchao: K >= 2
-        mag = 10.0 ** (torch.rand(m, 1, generator=g) * 20 - 14)
+    for trial in range(40):
+        nb = int(torch.randint(1, 3 if br > 1 else 70, (), generator=g))
+        m = br * nb if br > 1 else int(torch.randint(1, 70, (), generator=g))
+        k = int(torch.randint(2, 300, (), generator=g)) if bc == 1 else bc * int(torch.randint(1, 7, (), generator=g))
+        mag = 10.0 ** (torch.rand(m, 1, generator=g) * 20 - 14) * 10.0 ** (torch.rand(1, k, generator=g) * 4 - 2)
         x = (torch.randn(m, k, generator=g) * mag).to(dtype)
         if trial % 3 == 0:
             x[0] = 0
@@ -203,12 +217,30 @@ def test_fused_fp8_rowwise_fake_quantize_is_torchaos_composition(dtype):
             x[-1, ::3] = float("inf") if trial % 2 else float("-inf")
         if trial % 7 == 0:
             x[m // 2, k // 2] = float("nan")
-        want = fp8_dequantize(*fp8_rowwise(x), dtype)
-        got = fp8_rowwise_fake(x)
-        assert torch.equal(got.isnan(), want.isnan()), (m, k)
-        assert torch.equal(torch.where(got.isnan(), 0, _bit_view(got)), torch.where(want.isnan(), 0, _bit_view(want))), (m, k)
-        if m > 1:  # a row alone gives its bits inside the batch
-            assert torch.equal(_bit_view(fp8_rowwise_fake(x[1:2])), _bit_view(got[1:2]))
+        want = quant.dequantize(*quant.quantize(x, recipe, role), recipe, dtype)
+        got = fake_quantize(x, recipe, role)
+        _assert_same_bits_nan_aside(got, want, (recipe, role, m, k))
+        if m > br:
+            _assert_same_bits_nan_aside(fake_quantize(x[br:2 * br], recipe, role), got[br:2 * br], (m, k))
+
+
+def test_fused_mxfp8_takes_torchs_exponent_just_above_a_power_of_two():
+    """mxfp8's scale exponent is ceil(log2(amax / 448)) with torch's fp32 log2, which rounds
+    to an integer when amax / 448 = 2^k (1 + j 2^-23) for small j and |k| >= 4: the exact
+    ceil would be one more. The compiled form must take torch's exponent there (fp32
+    inputs; bf16 amaxes cannot land there). Blocks whose amax sits just above 448 * 2^k
+    for every k of the fp32 range, the fused form against torchao's composition."""
+    from titan_rl.kernels.quant import fake_quantize
+
+    ks = torch.arange(-130, 120, dtype=torch.float64)
+    js = torch.arange(0, 24, dtype=torch.float64)
+    amax = (448.0 * torch.exp2(ks)[:, None] * (1 + js[None, :] * 2.0 ** -23)).flatten().float()
+    amax = amax[torch.isfinite(amax) & (amax > 0)]
+    x = torch.randn(amax.numel(), 32, generator=torch.Generator().manual_seed(0)).clamp(-0.99, 0.99) * amax[:, None]
+    x[:, 5] = amax  # the block's amax itself
+    x = x.reshape(-1, 64)
+    want = quant.dequantize(*quant.quantize(x, "mxfp8", "weight"), "mxfp8", torch.float32)
+    assert torch.equal(_bit_view(fake_quantize(x, "mxfp8", "weight")), _bit_view(want))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

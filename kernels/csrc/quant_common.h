@@ -54,13 +54,19 @@ inline float abs_max(const T* x, int64_t n) {
   return any_nan ? NAN : r;
 }
 
+// The fp8 scale of a block whose amax (a value of T, NaN propagated) is given:
+// clamp(min=eps) in x's dtype (the floor is eps as a T; NaN stays NaN), then amax / 448 in
+// x's dtype, as torchao's _choose_scale_float8.
 template <typename T>
-inline float row_scale(const T* x, int64_t K, float eps) {
-  float amax = abs_max(x, K);  // NaN propagates, as torch's amax
-  // clamp(min=eps) in x's dtype: the floor is eps as a T; NaN stays NaN
+inline float fp8_scale(float amax, float eps) {
   const float lb = static_cast<float>(static_cast<T>(eps));
   amax = amax < lb ? lb : amax;
   return static_cast<float>(static_cast<T>(amax / FP8_MAX));
+}
+
+template <typename T>
+inline float row_scale(const T* x, int64_t K, float eps) {
+  return fp8_scale<T>(abs_max(x, K), eps);  // abs_max: NaN propagates, as torch's amax
 }
 
 // |v| <= 6 (the caller clamps) -> the nearest e2m1 value {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to
@@ -77,7 +83,7 @@ inline float round_e2m1(float v) {
 }
 
 constexpr float F4_MAX = 6.0f, NVFP4_GLOBAL_DIV = 448.0f * 6.0f, E4M3_TINY = 0.015625f;
-constexpr int64_t NVFP4_BLOCK = 16;
+constexpr int64_t NVFP4_BLOCK = 16, MX_BLOCK = 32;
 
 }  // namespace
 }  // namespace titan_rl

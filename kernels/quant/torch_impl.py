@@ -22,11 +22,11 @@ Hand-written here, and why:
     [rows, 1, 1] shape of its per-expert path, which broadcasts one scale per row. The
     scale g is floored at 2^-120, so that x * (1 / g) / (the smallest e4m3 block scale,
     2^-6) stays finite: an all-zero row (or weight) is zeros, not 0 * inf = NaN.
-  * fp8_rowwise and nvfp4 fake quantization (`*_fake`): the same compositions fused into
-    one pass per row in C++ (csrc/fake_quant.cpp), bit-for-bit torchao's (tests/test_quant.py
-    pits them on odd shapes, zeros, tiny and huge rows). torchao's forms are 8-20 tensor
-    ops, ~80 us per decode-sized call (more than the GEMM they feed) and 24 ms per nvfp4
-    fake-quantize of a 1024 x 1024 weight (the fused one: 2.7 ms; 1 thread).
+  * fake quantization of every recipe (`*_fake`): the same compositions fused into one
+    pass per block in C++ (csrc/fake_quant.cpp), bit-for-bit torchao's (tests/test_quant.py
+    pits them on odd shapes, zeros, tiny and huge rows, inf and NaN). torchao's forms are
+    8-20 tensor ops, ~80 us per decode-sized call (more than the GEMM they feed) and 24 ms
+    per nvfp4 fake-quantize of a 1024 x 1024 weight (the fused one: 2.7 ms; 1 thread).
   * NVFP4 dequantize: NVFP4Tensor.dequantize accepts only a per-tensor (or per-expert 3D)
     global scale; this applies torchao's arithmetic (global * e4m3 block scale, times the
     fp4 value, in fp32) to either shape.
@@ -93,12 +93,26 @@ def fp8_block_activation(x: torch.Tensor) -> tuple[torch.Tensor, Scales]:
     return _fp8(x, FP8_BLOCK_ACTIVATION)
 
 
+def _fp8_fake(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    from titan_rl.kernels.cpu_ext import ops
+
+    return ops().fp8_fake_quant(x, block[0], block[1], AMAX_EPS)
+
+
 def fp8_rowwise_fake(x: torch.Tensor) -> torch.Tensor:
     """fp8_dequantize(*fp8_rowwise(x), x.dtype), fused (csrc/fake_quant.cpp; x on CPU, 2D,
     bf16 or fp32: kernels.quant.fake_quantize checks); NaN stays NaN."""
-    from titan_rl.kernels.cpu_ext import ops
+    return _fp8_fake(x, (1, x.shape[1]))
 
-    return ops().fp8_rowwise_fake_quant(x, AMAX_EPS)
+
+def fp8_block_weight_fake(x: torch.Tensor) -> torch.Tensor:
+    """fp8_dequantize(*fp8_block_weight(x), x.dtype), fused (csrc/fake_quant.cpp)."""
+    return _fp8_fake(x, FP8_BLOCK_WEIGHT)
+
+
+def fp8_block_activation_fake(x: torch.Tensor) -> torch.Tensor:
+    """fp8_dequantize(*fp8_block_activation(x), x.dtype), fused (csrc/fake_quant.cpp)."""
+    return _fp8_fake(x, FP8_BLOCK_ACTIVATION)
 
 
 def fp8_dequantize(payload: torch.Tensor, scales: Scales, dtype: torch.dtype) -> torch.Tensor:
@@ -113,6 +127,13 @@ def mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, Scales]:
 
 def mxfp8_dequantize(payload: torch.Tensor, scales: Scales, dtype: torch.dtype) -> torch.Tensor:
     return to_dtype(payload, scales[0], FP8, MX_BLOCK, dtype)
+
+
+def mxfp8_fake(x: torch.Tensor) -> torch.Tensor:
+    """mxfp8_dequantize(*mxfp8(x), x.dtype), fused (csrc/fake_quant.cpp)."""
+    from titan_rl.kernels.cpu_ext import ops
+
+    return ops().mxfp8_fake_quant(x)
 
 
 def _nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, Scales]:
@@ -179,8 +200,8 @@ RECIPES: dict[str, RecipeImpl] = {
     "fp8_rowwise": RecipeImpl(fp8_rowwise, (1, 1), fp8_rowwise, (1, 1), fp8_dequantize, fp8_rowwise_fake,
                               fp8_rowwise_fake),
     "fp8_block": RecipeImpl(fp8_block_weight, FP8_BLOCK_WEIGHT, fp8_block_activation, FP8_BLOCK_ACTIVATION,
-                            fp8_dequantize),
-    "mxfp8": RecipeImpl(mxfp8, (1, MX_BLOCK), mxfp8, (1, MX_BLOCK), mxfp8_dequantize),
+                            fp8_dequantize, fp8_block_weight_fake, fp8_block_activation_fake),
+    "mxfp8": RecipeImpl(mxfp8, (1, MX_BLOCK), mxfp8, (1, MX_BLOCK), mxfp8_dequantize, mxfp8_fake, mxfp8_fake),
     "nvfp4": RecipeImpl(nvfp4_weight, (1, NVFP4_BLOCK), None, (1, NVFP4_BLOCK), nvfp4_dequantize, nvfp4_weight_fake),
     "nvfp4_w4a4": RecipeImpl(nvfp4_weight, (1, NVFP4_BLOCK), nvfp4_activation, (1, NVFP4_BLOCK), nvfp4_dequantize,
                              nvfp4_weight_fake, nvfp4_activation_fake),
