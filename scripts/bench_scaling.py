@@ -10,12 +10,14 @@ in that run, the stock column the faster of eager and compiled. The axes vary on
 a base point (the small flavor; trainer 4 x 256 tokens; rollouts of 8 prompts of 64 tokens,
 32 sampled):
   length  trainer sequences of 256, 1024, 4096 tokens at 4096 tokens a step (16 x 256 ... 1 x 4096);
-          rollout prompts of 64, 1024, 4096 tokens (4 prompts at 4096)
+          rollout prompts of 64, 1024, 4064 tokens (+ 32 sampled: the small flavor's 4096 positions;
+          4 prompts at 4064)
   batch   trainer 1, 4, 16 sequences of 256; rollouts of 1, 8, 32 prompts
   width   the debug, small and Qwen3-0.6B flavors (0.6B cut to 4 layers: its widths and
           vocabulary, a quarter of the time per token of 28 layers)
 Runs at the process's thread count (OMP_NUM_THREADS; 1 for figures that compare machines).
-A full grid takes about an hour on 2 cores at 1 thread; --axes / --what pick a part.
+The axes share their base points (each is run once); the JSON is rewritten after every point.
+The full grid (14 runs) takes about an hour at 1 thread; --axes / --what pick a part.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def points(axes: list[str], what: list[str]) -> list[tuple[str, str, str, list[s
             out += [("length", f"{n} tokens", "train", ["--train-batch", str(4096 // n), "--train-len", str(n)])
                     for n in (256, 1024, 4096)]
         if "rollout" in what:
+            # 4064 + 32 sampled = 4096, the small flavor's max_position_embeddings
             out += [("length", f"{n} tokens", "rollout",
-                     ["--prompts", "4" if n >= 4096 else "8", "--prompt-len", str(n), "--max-tokens", "32"])
-                    for n in (64, 1024, 4096)]
+                     ["--prompts", "4" if n >= 4000 else "8", "--prompt-len", str(n), "--max-tokens", "32"])
+                    for n in (64, 1024, 4064)]
     if "batch" in axes:
         if "train" in what:
             out += [("batch", f"{b} x 256", "train", ["--train-batch", str(b), "--train-len", "256"]) for b in (1, 4, 16)]
@@ -57,6 +60,14 @@ def points(axes: list[str], what: list[str]) -> list[tuple[str, str, str, list[s
             for w in what:
                 out.append(("width", label, w, ["--flavor", flavor, *extra, *(BASE_TRAIN if w == "train" else BASE_ROLLOUT)]))
     return out
+
+
+def _normal(extra: list[str]) -> tuple:
+    """A point's arguments as a sorted tuple of (flag, value), the flavor default made explicit,
+    so that points the axes share compare equal."""
+    pairs = dict(zip(extra[::2], extra[1::2]))
+    pairs.setdefault("--flavor", "small")
+    return tuple(sorted(pairs.items()))
 
 
 def run_point(what: str, extra: list[str], dtype: str, repeats: int) -> dict:
@@ -89,11 +100,16 @@ def main(argv=None) -> int:
         bad = [v for v in vals if v not in allowed]
         if bad:
             ap.error(f"{key}: {bad} not among {sorted(allowed)}")
+    from titan_rl.jsonout import write_json
+
     grid = points(axes, what)
-    rows = []
+    rows, done = [], {}
     for i, (axis, label, w, extra) in enumerate(grid, 1):
-        print(f"[{i}/{len(grid)}] {axis}: {label}, {w} ...", flush=True)
-        res = run_point(w, extra, args.dtype, args.repeats)
+        key = (w, *_normal(extra))
+        print(f"[{i}/{len(grid)}] {axis}: {label}, {w}" + (" (measured above)" if key in done else " ..."), flush=True)
+        if key not in done:  # the axes share their base points: each is run once
+            done[key] = run_point(w, extra, args.dtype, args.repeats)
+        res = done[key]
         row = {"axis": axis, "point": label, "what": w, "args": extra, "wall_seconds": res["wall_seconds"]}
         if "error" in res:
             row["error"] = res["error"]
@@ -107,6 +123,9 @@ def main(argv=None) -> int:
                        bf16_gemm=res["bf16_gemm"], model=res["model"])
             print(f"    exact/stock {row['slowdown']:.2f}x (stock {row['stock_config']})", flush=True)
         rows.append(row)
+        doc = {"dtype": args.dtype, "repeats": args.repeats, "threads": os.environ.get("OMP_NUM_THREADS"),
+               "complete": i == len(grid), "points": rows}
+        write_json(args.json, doc)  # after every point: a long run stopped early keeps what it measured
     print(f"\nexact / the faster stock, {args.dtype}, threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
     print(f"{'axis':8s}{'point':22s}{'what':9s}{'exact tok/s':>13s}{'stock tok/s':>13s}{'stock':>10s}"
           f"{'exact/stock':>13s}{'vs eager':>10s}")
@@ -117,10 +136,6 @@ def main(argv=None) -> int:
         eager = f"{r['slowdown_vs_eager']:.2f}x" if r["slowdown_vs_eager"] else "-"
         print(f"{r['axis']:8s}{r['point']:22s}{r['what']:9s}{r['exact_tokens_per_s']:>13.1f}"
               f"{r['stock_tokens_per_s']:>13.1f}{r['stock_config']:>10s}{r['slowdown']:>12.2f}x{eager:>10s}")
-    from titan_rl.jsonout import write_json
-
-    write_json(args.json, {"dtype": args.dtype, "repeats": args.repeats, "threads": os.environ.get("OMP_NUM_THREADS"),
-                           "points": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

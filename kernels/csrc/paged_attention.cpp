@@ -56,8 +56,16 @@ inline const float* row_f32<float>(const float* src, float*, int64_t) { return s
 // p_j = exp(s_j - max s) in place over n scores; returns sum_j p_j (j mod LANES lanes, tree)
 // and stores max s in *m_out.
 inline float softmax_weights(float* __restrict sg, int64_t n, float* m_out) {
-  float m = sg[0];
-  for (int64_t j = 1; j < n; ++j) m = sg[j] > m ? sg[j] : m;
+  // the max over LANES lanes, then across them: a max is exact in any order, and one running
+  // max is a serial chain the compiler cannot vectorise (it was a fifth of the bf16 form's time)
+  float lm[LANES];
+  for (int l = 0; l < LANES; ++l) lm[l] = sg[0];
+  const int64_t full_m = n - n % LANES;
+  for (int64_t j0 = 0; j0 < full_m; j0 += LANES)
+    for (int l = 0; l < LANES; ++l) lm[l] = sg[j0 + l] > lm[l] ? sg[j0 + l] : lm[l];
+  for (int64_t j = full_m; j < n; ++j) lm[0] = sg[j] > lm[0] ? sg[j] : lm[0];
+  float m = lm[0];
+  for (int l = 1; l < LANES; ++l) m = lm[l] > m ? lm[l] : m;
   *m_out = m;
   for (int64_t j = 0; j < n; ++j) sg[j] = exp_f(sg[j] - m);
   float lanes[LANES];
@@ -112,56 +120,90 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict p, co
 // bf16, 64 bytes), the next d-pair pstride elements on (the cache's pair layout).
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-inline void block_scores_dpbf16(const uint32_t* __restrict qpairs, const uint16_t* __restrict kp, int64_t pstride,
-                                int64_t D, float scale, float* __restrict out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+// NR rows (qpairs NR rows of D/2 pairs, DP apart) at once: the rows share each key load and
+// their 4 * NR chains keep the dot-product unit busy (one row's 4 chains wait on the
+// instruction's latency). Each row's operations and their order are the one-row form's.
+template <int NR>
+inline void block_scores_dpbf16(const uint32_t* __restrict qpairs, int64_t DP, const uint16_t* __restrict kp,
+                                int64_t pstride, int64_t D, float scale, float* __restrict out, int64_t ostride) {
+  __m512 a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < D / 2; p += 4) {
     const uint16_t* k = kp + p * pstride;
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p])), load_bh(k));
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 1])), load_bh(k + pstride));
-    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 2])), load_bh(k + 2 * pstride));
-    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[p + 3])), load_bh(k + 3 * pstride));
+    const __m512bh k0 = load_bh(k), k1 = load_bh(k + pstride), k2 = load_bh(k + 2 * pstride),
+                   k3 = load_bh(k + 3 * pstride);
+    for (int r = 0; r < NR; ++r) {
+      const uint32_t* q = qpairs + r * DP + p;
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[0])), k0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[1])), k1);
+      a[r][2] = _mm512_dpbf16_ps(a[r][2], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[2])), k2);
+      a[r][3] = _mm512_dpbf16_ps(a[r][3], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[3])), k3);
+    }
   }
-  const __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_set1_ps(scale));
-  _mm512_storeu_ps(out, s);
+  for (int r = 0; r < NR; ++r) {
+    const __m512 s =
+        _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(out + r * ostride, s);
+  }
 }
 
 // acc[D] += sum over positions [0, jn) of a block: position pairs from vp (the block's
 // first pair, [D, 2] bf16, in the cache's pair layout), weights pb (bf16 bits of p); an
 // odd last position (even index: the low halves of its pair) by fp32 FMA.
-template <int DC>
-inline void accumulate_dpbf16(float* __restrict acc, const uint16_t* __restrict pb, const uint16_t* __restrict vp,
-                              int64_t jn) {
+// NR rows at once (acc rows DC apart, weight rows wstride apart), sharing each value load;
+// each row's operations and their order are the same as alone.
+template <int DC, int NR>
+inline void accumulate_dpbf16(float* __restrict acc, const uint16_t* __restrict pb, int64_t wstride,
+                              const uint16_t* __restrict vp, int64_t jn) {
   constexpr int NV = DC / 16;
-  __m512 a[NV];
-  for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  __m512 a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = _mm512_loadu_ps(acc + r * DC + 16 * c);
   const int64_t pairs = jn / 2;
   for (int64_t t = 0; t < pairs; ++t) {
-    const uint32_t w = static_cast<uint32_t>(pb[2 * t]) | (static_cast<uint32_t>(pb[2 * t + 1]) << 16);
-    const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
     const uint16_t* v = vp + t * DC * 2;
-    for (int c = 0; c < NV; ++c) a[c] = _mm512_dpbf16_ps(a[c], wb, load_bh(v + 32 * c));
-  }
-  if (jn & 1) {
-    const __m512 w = _mm512_set1_ps(bf16_to_f(pb[jn - 1]));
-    const uint16_t* v = vp + pairs * DC * 2;
-    for (int c = 0; c < NV; ++c) {
-      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(v + 32 * c), 16));
-      a[c] = _mm512_fmadd_ps(w, x, a[c]);
+    __m512bh vb[NV];
+    for (int c = 0; c < NV; ++c) vb[c] = load_bh(v + 32 * c);
+    for (int r = 0; r < NR; ++r) {
+      const uint16_t* w2 = pb + r * wstride + 2 * t;
+      const uint32_t w = static_cast<uint32_t>(w2[0]) | (static_cast<uint32_t>(w2[1]) << 16);
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+      for (int c = 0; c < NV; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], wb, vb[c]);
     }
   }
-  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  if (jn & 1) {
+    const uint16_t* v = vp + pairs * DC * 2;
+    for (int r = 0; r < NR; ++r) {
+      const __m512 w = _mm512_set1_ps(bf16_to_f(pb[r * wstride + jn - 1]));
+      for (int c = 0; c < NV; ++c) {
+        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(v + 32 * c), 16));
+        a[r][c] = _mm512_fmadd_ps(w, x, a[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + r * DC + 16 * c, a[r][c]);
 }
 
-inline void accumulate_rows_dpbf16(float* acc, const uint16_t* pb, const uint16_t* vp, int64_t jn, int64_t D) {
-  switch (D) {
-#define TITAN_ATTN_D(n) \
-  case n: return accumulate_dpbf16<n>(acc, pb, vp, jn);
-    TITAN_ATTN_D(16) TITAN_ATTN_D(32) TITAN_ATTN_D(48) TITAN_ATTN_D(64) TITAN_ATTN_D(80) TITAN_ATTN_D(96)
-    TITAN_ATTN_D(112) TITAN_ATTN_D(128) TITAN_ATTN_D(144) TITAN_ATTN_D(160) TITAN_ATTN_D(176) TITAN_ATTN_D(192)
-    TITAN_ATTN_D(208) TITAN_ATTN_D(224) TITAN_ATTN_D(240) TITAN_ATTN_D(256)
+// Rows per group in pass 3: accumulators of up to 64 floats per row x 4 rows stay in registers.
+constexpr int64_t group_rows(int64_t D) { return D <= 64 ? 4 : (D <= 128 ? 2 : 1); }
+
+// nr (<= group_rows(D)) consecutive rows with the same jn.
+inline void accumulate_rows_dpbf16(float* acc, const uint16_t* pb, int64_t wstride, const uint16_t* vp, int64_t jn,
+                                   int64_t D, int64_t nr) {
+  switch (D * 8 + nr) {
+#define TITAN_ATTN_D(n, k) \
+  case n * 8 + k: return accumulate_dpbf16<n, k>(acc, pb, wstride, vp, jn);
+#define TITAN_ATTN_D4(n) TITAN_ATTN_D(n, 1) TITAN_ATTN_D(n, 2) TITAN_ATTN_D(n, 3) TITAN_ATTN_D(n, 4)
+#define TITAN_ATTN_D2(n) TITAN_ATTN_D(n, 1) TITAN_ATTN_D(n, 2)
+    TITAN_ATTN_D4(16) TITAN_ATTN_D4(32) TITAN_ATTN_D4(48) TITAN_ATTN_D4(64) TITAN_ATTN_D2(80) TITAN_ATTN_D2(96)
+    TITAN_ATTN_D2(112) TITAN_ATTN_D2(128) TITAN_ATTN_D(144, 1) TITAN_ATTN_D(160, 1) TITAN_ATTN_D(176, 1)
+    TITAN_ATTN_D(192, 1) TITAN_ATTN_D(208, 1) TITAN_ATTN_D(224, 1) TITAN_ATTN_D(240, 1) TITAN_ATTN_D(256, 1)
+#undef TITAN_ATTN_D2
+#undef TITAN_ATTN_D4
 #undef TITAN_ATTN_D
-    default: TORCH_CHECK(false, "paged_attention: the bf16 form takes head_dim <= 256");
+    default: TORCH_CHECK(false, "paged_attention: the bf16 form takes head_dim <= 256 (a multiple of 16)");
   }
 }
 #endif
@@ -196,7 +238,10 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
     int64_t r_end = 0;
     for (int64_t i = 0; i < nt; ++i)
       if (n_row[i] > j0) r_end = (i + 1) * G;
-    for (int64_t r = 0; r < r_end; ++r) block_scores_dpbf16(qp + r * DP, kp, 2 * page, D, scale, sc + r * n_pad + j0);
+    int64_t r = 0;
+    for (; r + 4 <= r_end; r += 4)
+      block_scores_dpbf16<4>(qp + r * DP, DP, kp, 2 * page, D, scale, sc + r * n_pad + j0, n_pad);
+    for (; r < r_end; ++r) block_scores_dpbf16<1>(qp + r * DP, DP, kp, 2 * page, D, scale, sc + r * n_pad + j0, n_pad);
   }
   // Pass 2: softmax weights (fp32) and their sum; the weights rounded to bf16 for pass 3.
   pbuf.resize(R * n_pad);
@@ -212,13 +257,19 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
     const uint16_t* vp =
         reinterpret_cast<const uint16_t*>(vc + row_bt[j0 / page] * v_st[0] + h * v_st[1]) + (j0 % page) * D;
     const int64_t j1 = std::min(j0 + LANES, n_max);
-    for (int64_t i = 0; i < nt; ++i) {
-      const int64_t jn = std::min(j1, n_row[i]) - j0;
-      if (jn <= 0) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;
-        accumulate_rows_dpbf16(acc + r * D, pbuf.data() + r * n_pad + j0, vp, jn, D);
+    // rows in order (token-major), in groups of consecutive rows that see the same positions
+    // of this block (jn grows with the token; within full blocks it is LANES for all)
+    const int64_t gmax = group_rows(D);
+    for (int64_t r = 0; r < R;) {
+      const int64_t jn = std::min(j1, n_row[r / G]) - j0;
+      if (jn <= 0) {
+        ++r;
+        continue;
       }
+      int64_t nr = 1;
+      while (nr < gmax && r + nr < R && std::min(j1, n_row[(r + nr) / G]) - j0 == jn) ++nr;
+      accumulate_rows_dpbf16(acc + r * D, pbuf.data() + r * n_pad + j0, n_pad, vp, jn, D, nr);
+      r += nr;
     }
   }
 }
