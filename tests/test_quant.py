@@ -226,7 +226,7 @@ def test_fused_fp8_fake_quantize_is_torchaos_composition(recipe, role, dtype):
 
 def test_fused_mxfp8_takes_torchs_exponent_just_above_a_power_of_two():
     """mxfp8's scale exponent is ceil(log2(amax / 448)) with torch's fp32 log2, which rounds
-    to an integer when amax / 448 = 2^k (1 + j 2^-23) for small j and |k| >= 4: the exact
+    to an integer when amax / 448 = 2^k (1 + j 2^-23) for small j and k >= 4 or k <= -5: the exact
     ceil would be one more. The compiled form must take torch's exponent there (fp32
     inputs; bf16 amaxes cannot land there). Blocks whose amax sits just above 448 * 2^k
     for every k of the fp32 range, the fused form against torchao's composition."""

@@ -75,16 +75,13 @@ void fp8_blocks(const T* x, T* out, int64_t N, int64_t K, int64_t br, int64_t bc
   });
 }
 
-// mxfp8 (RCEIL), per block of 32 of a row, as torchao's to_mx + to_dtype:
-//   descale = fp32(amax) / 448
-//   e       = NaN -> 255, inf -> 254, else clamp(ceil(log2(descale)), -127, 127) + 127
-//   q       = e4m3(clamp(fp32(x) * r, -448, 448)),  r = 2^(127 - e) (e = 0: 1; e = 254: 2^-127)
-//   out     = x.dtype(q * 2^(e - 127))             (e = 255: NaN)
-// torch's fp32 log2 rounds to the nearest fp32 before the ceil, so near a power of two the
-// ceil can stay below the exact one (2^k (1 + 2^-23) -> k for k >= 4); the fp32 rounding of
-// a double log2 gives the same exponent as torch.log2 (checked on every CPU capability on all
-// fp32 just above a power of two, subnormals and 4M random values: tests/test_quant.py).
 // clamp(ceil(torch.log2(d)), -127, 127) for a finite d >= 0 (log2(0) = -inf clamps to -127).
+// torch's fp32 log2 rounds to the nearest fp32 before the ceil, so just above a power of two
+// the ceil can stay below the exact one (2^10 (1 + 2^-23) -> 10, not 11). There the fp32
+// rounding of a double log2 gives torch's exponent (compared with torch.log2 under ATen's
+// avx512, avx2 and default capabilities on every fp32 within 2^14 ulps above each power of
+// two, subnormals and 4M random values, 2026-12-05; tests/test_quant.py puts block amaxes
+// there and compares the kernel with torchao).
 inline float ceil_log2_as_torch(float d) {
   const uint32_t b = f_to_bits(d), frac = b & 0x7FFFFFu;
   const int biased = static_cast<int>(b >> 23);
@@ -97,6 +94,11 @@ inline float ceil_log2_as_torch(float d) {
   return l < -127.0f ? -127.0f : (l > 127.0f ? 127.0f : l);
 }
 
+// mxfp8 (RCEIL), per block of 32 of a row, as torchao's to_mx + to_dtype:
+//   descale = fp32(amax) / 448
+//   e       = NaN -> 255, inf -> 254, else clamp(ceil(log2(descale)), -127, 127) + 127
+//   q       = e4m3(clamp(fp32(x) * r, -448, 448)),  r = 2^(127 - e) (e = 0: 1; e = 254: 2^-127)
+//   out     = x.dtype(q * 2^(e - 127))             (e = 255: NaN)
 template <typename T>
 void mxfp8_rows(const T* x, T* out, int64_t N, int64_t K) {
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
