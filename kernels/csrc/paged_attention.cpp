@@ -91,6 +91,24 @@ inline void accumulate_fixed(float* __restrict acc, const float* __restrict p, c
   for (int d = 0; d < DC; ++d) acc[d] = a[d];
 }
 
+// Two rows (acc rows DC apart, weight rows pstride apart) over the same value rows, each
+// row's FMAs in the order accumulate_fixed gives them.
+template <int DC>
+inline void accumulate_fixed2(float* __restrict acc, const float* __restrict p, int64_t pstride,
+                              const float* __restrict v, int64_t n) {
+  float a[DC], b[DC];
+  for (int d = 0; d < DC; ++d) a[d] = acc[d], b[d] = acc[DC + d];
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j], qj = p[pstride + j];
+    const float* vj = v + j * DC;
+    for (int d = 0; d < DC; ++d) {
+      a[d] = __builtin_fmaf(pj, vj[d], a[d]);
+      b[d] = __builtin_fmaf(qj, vj[d], b[d]);
+    }
+  }
+  for (int d = 0; d < DC; ++d) acc[d] = a[d], acc[DC + d] = b[d];
+}
+
 inline void accumulate_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n,
                             int64_t D) {
   switch (D) {
@@ -275,6 +293,44 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
 }
 #endif
 
+// Scores of NR rows (q rows D apart) at LANES positions from a [D, LANES] key block (rows
+// kstride apart): per row four partial sums over d mod 4 (independent dependency chains),
+// then (a0 + a1) + (a2 + a3). The rows share each key load; each row's operations and
+// their order are the one-row form's.
+template <int NR>
+inline void scores_f32(const float* __restrict q, int64_t D, const float* __restrict kb, int64_t kstride, float scale,
+                       float* __restrict out, int64_t ostride) {
+  float a[NR][4][LANES];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < LANES; ++l) a[r][c][l] = 0.0f;
+  for (int64_t d = 0; d < D; d += 4) {
+    const float *k0 = kb + d * kstride, *k1 = k0 + kstride, *k2 = k1 + kstride, *k3 = k2 + kstride;
+    for (int r = 0; r < NR; ++r) {
+      const float* qr = q + r * D + d;
+      const float q0 = qr[0], q1 = qr[1], q2 = qr[2], q3 = qr[3];
+      for (int l = 0; l < LANES; ++l) {
+        a[r][0][l] = __builtin_fmaf(q0, k0[l], a[r][0][l]);
+        a[r][1][l] = __builtin_fmaf(q1, k1[l], a[r][1][l]);
+        a[r][2][l] = __builtin_fmaf(q2, k2[l], a[r][2][l]);
+        a[r][3][l] = __builtin_fmaf(q3, k3[l], a[r][3][l]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int l = 0; l < LANES; ++l)
+      out[r * ostride + l] = ((a[r][0][l] + a[r][1][l]) + (a[r][2][l] + a[r][3][l])) * scale;
+}
+
+// Rows of the fp32 form sharing each key load (scores) and, at D = 64, each value load: two
+// rows' accumulators (2 x 4 x LANES, or 2 x 64 floats) fit the 32 vector registers of
+// AVX-512, not AVX2's 16; there one row at a time.
+#ifdef __AVX512F__
+constexpr int ROWS_F32 = 2;
+#else
+constexpr int ROWS_F32 = 1;
+#endif
+
 // Work items: (sequence, first query token, end) tiles of <= qtile tokens, times kv heads.
 // A row's arithmetic is the same whichever tile it is in: each tile member only skips
 // the positions past its own.
@@ -356,24 +412,10 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
           kb = kblk.data();
           kstride = LANES;
         }
-        for (int64_t r = 0; r < r_end; ++r) {
-          const float* qr = qf.data() + r * D;
-          // four partial sums (d mod 4: independent dependency chains), then (a0+a1)+(a2+a3)
-          float a0[LANES], a1[LANES], a2[LANES], a3[LANES];
-          for (int l = 0; l < LANES; ++l) a0[l] = a1[l] = a2[l] = a3[l] = 0.0f;
-          for (int64_t d = 0; d < D; d += 4) {
-            const float *k0 = kb + d * kstride, *k1 = k0 + kstride, *k2 = k1 + kstride, *k3 = k2 + kstride;
-            const float q0 = qr[d], q1 = qr[d + 1], q2 = qr[d + 2], q3 = qr[d + 3];
-            for (int l = 0; l < LANES; ++l) {
-              a0[l] = __builtin_fmaf(q0, k0[l], a0[l]);
-              a1[l] = __builtin_fmaf(q1, k1[l], a1[l]);
-              a2[l] = __builtin_fmaf(q2, k2[l], a2[l]);
-              a3[l] = __builtin_fmaf(q3, k3[l], a3[l]);
-            }
-          }
-          float* out_s = sc.data() + r * n_pad + j0;
-          for (int l = 0; l < LANES; ++l) out_s[l] = ((a0[l] + a1[l]) + (a2[l] + a3[l])) * scale;
-        }
+        int64_t r = 0;
+        for (; r + ROWS_F32 <= r_end; r += ROWS_F32)
+          scores_f32<ROWS_F32>(qf.data() + r * D, D, kb, kstride, scale, sc.data() + r * n_pad + j0, n_pad);
+        for (; r < r_end; ++r) scores_f32<1>(qf.data() + r * D, D, kb, kstride, scale, sc.data() + r * n_pad + j0, n_pad);
       }
       // Pass 2: softmax weights and their sum, per row over its own n.
       for (int64_t r = 0; r < R; ++r) lsum[r] = softmax_weights(sc.data() + r * n_pad, n_row[r / G], rmax.data() + r);
@@ -397,7 +439,13 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
         for (int64_t i = 0; i < nt; ++i) {
           const int64_t jn = std::min(j1, n_row[i]) - j0;
           if (jn <= 0) continue;
-          for (int64_t g = 0; g < G; ++g) {
+          int64_t g = 0;
+          if (ROWS_F32 == 2 && D == 64)  // two heads of the token share each value load
+            for (; g + 2 <= G; g += 2) {
+              const int64_t r = i * G + g;
+              accumulate_fixed2<64>(acc.data() + r * D, sc.data() + r * n_pad + j0, n_pad, vf, jn);
+            }
+          for (; g < G; ++g) {
             const int64_t r = i * G + g;
             accumulate_rows(acc.data() + r * D, sc.data() + r * n_pad + j0, vf, jn, D);
           }
