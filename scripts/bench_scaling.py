@@ -1,5 +1,6 @@
-"""How exactness's cost grows: exact / stock against sequence length, batch size and width, one
-table (issue 34, item 5: a cost that grows with length is a cost at 32k).
+"""How exactness's cost grows: exact / stock against sequence length, batch size and width.
+
+One table (issue 34, item 5: a cost that grows with length is a cost at 32k).
 
     python scripts/bench_scaling.py [--dtype bfloat16] [--repeats 2] [--axes length,batch,width]
         [--what train,rollout] [--json OUT]
