@@ -20,18 +20,21 @@ without those instructions: docs/kernels.md).
 The engine prepares each weight once per load (`PackedWeight`); the
 trainer's weights change every step, so `linear` packs them per call (a copy of K*N
 values, small beside the M*K*N GEMM). Both go through the same reorder and GEMM, so
-both give the same bits. The backward's two GEMMs (`grad_input`, `grad_weight`) go
-through the same GEMM too: torch.mm's own choice depends on the thread count (measured:
-fp32 grad @ W at M = 5..11 rows, bf16 grad^T @ x at M = 2048, 1 vs 2 threads), and a
-training step must give the same bits at any thread count (the layout tests and the
-contract compare ranks that may run different counts). The fixed pieces below also fix
-their backward's shapes, for TP-invariant gradients.
+both give the same bits. The backward's two GEMMs (`grad_input`, `grad_weight`) are
+fixed too: torch.mm's own choice depends on the thread count (measured: fp32 grad @ W
+at M = 5..11 rows, bf16 grad^T @ x at M = 2048, 1 vs 2 threads), and a training step must
+give the same bits at any thread count (the layout tests and the contract compare ranks
+that may run different counts). `grad_input` is `linear`'s GEMM on the transposed weight;
+`grad_weight` is a compiled GEMM of its own (the reduction runs over the rows, which
+oneDNN's linear would need transposed copies of both operands for: 10% of a bf16 step).
+The fixed pieces below also fix their backward's shapes, for TP-invariant gradients.
 """
 
 from __future__ import annotations
 
 import torch
 
+from titan_rl.kernels.cpu_ext import ops as _ops
 from titan_rl.kernels.matmul import blocks
 
 ROW_MULTIPLE = 8
@@ -126,23 +129,29 @@ def _invariant_mm(x2: torch.Tensor, weight) -> torch.Tensor:
     return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
 
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """t [R, C]^T as a new contiguous tensor: the compiled copy (kernels/csrc/transpose.cpp),
+    several times faster than ATen's strided copy at power-of-two widths."""
+    if t.dim() == 2 and t.element_size() in (2, 4) and (t.stride(1) == 1 or t.shape[1] <= 1):
+        return _ops().transposed(t)
+    return t.t().contiguous()
+
+
 def grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """grad [M, N] @ weight [N, K] -> [M, K] in grad's dtype: the GEMM of `linear` on the
     transposed weight (rows padded the same way, so the bits depend on nothing but M)."""
-    return _invariant_mm(grad, weight.to(grad.dtype).t())
+    return _invariant_mm(grad, _transposed(weight.to(grad.dtype)))
 
 
 def grad_weight(grad: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """grad [M, N]^T @ x2 [M, K] -> [N, K] in grad's dtype: the reduction over the M rows
-    as `linear`'s GEMM (x = grad^T, weight = x2^T). M is zero-padded to ROW_MULTIPLE
-    (oneDNN has no primitive for a reduction of 1; zero products leave every sum as is)."""
-    m = grad.shape[0]
-    pad = (-m) % ROW_MULTIPLE if m else ROW_MULTIPLE
-    g, x = grad.t(), x2.to(grad.dtype).t()
-    if pad:
-        g = torch.cat([g, g.new_zeros(g.shape[0], pad)], 1)
-        x = torch.cat([x, x.new_zeros(x.shape[0], pad)], 1)
-    return _invariant_mm(g.contiguous(), x)
+    """grad [M, N]^T @ x2 [M, K] -> [N, K] in grad's dtype: the compiled weight-gradient GEMM
+    (kernels/csrc/weight_grad.cpp), one fp32 FMA per row in row order for every output, read
+    from the operands as they lie. Its bits depend on the operands' values only: not on the
+    thread count, the CPU kind, or which slice of N or K a call holds."""
+    if grad.dtype in (torch.float32, torch.bfloat16):
+        return _ops().weight_grad(grad, x2.to(grad.dtype)).to(grad.dtype)
+    g = grad.float()
+    return _ops().weight_grad(g, x2.float()).to(grad.dtype)
 
 
 class _InvariantLinear(torch.autograd.Function):
