@@ -77,44 +77,33 @@ inline float softmax_weights(float* __restrict sg, int64_t n, float* m_out) {
   return lane_tree(lanes);
 }
 
-// acc[d] = fma(p_j, v_j[d], acc[d]) for j = 0..n-1 in order (v rows of D floats): the
-// accumulator stays in registers for the usual head sizes.
-template <int DC>
-inline void accumulate_fixed(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n) {
-  float a[DC];
-  for (int d = 0; d < DC; ++d) a[d] = acc[d];
+// For each of NR rows r (accumulators DC apart, weights pstride apart):
+// acc_r[d] = fma(p_r[j], v_j[d], acc_r[d]) for j = 0..n-1 in order (v rows of DC floats). The
+// accumulators stay in registers for the usual head sizes; rows sharing a call share each
+// value load, and each row's FMAs are those it would run alone.
+template <int DC, int NR = 1>
+inline void accumulate_fixed(float* __restrict acc, const float* __restrict p, int64_t pstride,
+                             const float* __restrict v, int64_t n) {
+  float a[NR][DC];
+  for (int r = 0; r < NR; ++r)
+    for (int d = 0; d < DC; ++d) a[r][d] = acc[r * DC + d];
   for (int64_t j = 0; j < n; ++j) {
-    const float pj = p[j];
+    float w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = p[r * pstride + j];
     const float* vj = v + j * DC;
-    for (int d = 0; d < DC; ++d) a[d] = __builtin_fmaf(pj, vj[d], a[d]);
+    for (int d = 0; d < DC; ++d)
+      for (int r = 0; r < NR; ++r) a[r][d] = __builtin_fmaf(w[r], vj[d], a[r][d]);
   }
-  for (int d = 0; d < DC; ++d) acc[d] = a[d];
-}
-
-// Two rows (acc rows DC apart, weight rows pstride apart) over the same value rows, each
-// row's FMAs in the order accumulate_fixed gives them.
-template <int DC>
-inline void accumulate_fixed2(float* __restrict acc, const float* __restrict p, int64_t pstride,
-                              const float* __restrict v, int64_t n) {
-  float a[DC], b[DC];
-  for (int d = 0; d < DC; ++d) a[d] = acc[d], b[d] = acc[DC + d];
-  for (int64_t j = 0; j < n; ++j) {
-    const float pj = p[j], qj = p[pstride + j];
-    const float* vj = v + j * DC;
-    for (int d = 0; d < DC; ++d) {
-      a[d] = __builtin_fmaf(pj, vj[d], a[d]);
-      b[d] = __builtin_fmaf(qj, vj[d], b[d]);
-    }
-  }
-  for (int d = 0; d < DC; ++d) acc[d] = a[d], acc[DC + d] = b[d];
+  for (int r = 0; r < NR; ++r)
+    for (int d = 0; d < DC; ++d) acc[r * DC + d] = a[r][d];
 }
 
 inline void accumulate_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n,
                             int64_t D) {
   switch (D) {
-    case 64: return accumulate_fixed<64>(acc, p, v, n);
-    case 128: return accumulate_fixed<128>(acc, p, v, n);
-    case 256: return accumulate_fixed<256>(acc, p, v, n);
+    case 64: return accumulate_fixed<64>(acc, p, 0, v, n);
+    case 128: return accumulate_fixed<128>(acc, p, 0, v, n);
+    case 256: return accumulate_fixed<256>(acc, p, 0, v, n);
     default:
       for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < D; ++d) acc[d] = __builtin_fmaf(p[j], v[j * D + d], acc[d]);
@@ -443,7 +432,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
           if (ROWS_F32 == 2 && D == 64)  // two heads of the token share each value load
             for (; g + 2 <= G; g += 2) {
               const int64_t r = i * G + g;
-              accumulate_fixed2<64>(acc.data() + r * D, sc.data() + r * n_pad + j0, n_pad, vf, jn);
+              accumulate_fixed<64, 2>(acc.data() + r * D, sc.data() + r * n_pad + j0, n_pad, vf, jn);
             }
           for (; g < G; ++g) {
             const int64_t r = i * G + g;

@@ -96,6 +96,8 @@ def fp8_block_activation(x: torch.Tensor) -> tuple[torch.Tensor, Scales]:
 def _fp8_fake(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     from titan_rl.kernels.cpu_ext import ops
 
+    if x.numel() == 0:  # no blocks (a row-wise block of an empty row would be 1 x 0)
+        return x.clone()
     return ops().fp8_fake_quant(x, block[0], block[1], AMAX_EPS)
 
 
