@@ -17,7 +17,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -92,14 +91,13 @@ inline void micro(const float* a, const float* b, int64_t rows, float* c, int64_
   }
 }
 
+// C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K rounded up to KR), rows and
+// columns past N and K computed from zero padding and not read.
 template <typename T>
-void weight_grad_impl(const T* g, int64_t ldg, const T* x, int64_t ldx, int64_t M, int64_t N, int64_t K, float* out) {
+void weight_grad_impl(const T* g, int64_t ldg, const T* x, int64_t ldx, int64_t M, int64_t N, int64_t K, float* C,
+                      int64_t ldc) {
   const int64_t kb_pad = ((std::min(K, KB) + KR - 1) / KR) * KR;
   const int64_t n_tiles = (N + NR - 1) / NR;
-  // the output in whole tiles (NR rows x KR columns), cut to [N, K] at the end
-  const int64_t ldc_full = ((K + KR - 1) / KR) * KR;
-  std::vector<float> cbuf(static_cast<size_t>(n_tiles * NR * ldc_full));
-  float* C = cbuf.data();
   std::vector<float> bp(static_cast<size_t>(MC * kb_pad));
   for (int64_t k0 = 0; k0 < K; k0 += KB) {
     const int64_t kn = std::min(KB, K - k0), ksub = (kn + KR - 1) / KR;
@@ -128,15 +126,11 @@ void weight_grad_impl(const T* g, int64_t ldg, const T* x, int64_t ldx, int64_t 
             for (int i = 0; i < NR; ++i) ap[r * NR + i] = i < nn ? widen(src[i]) : 0.0f;
           }
           for (int64_t s = 0; s < ksub; ++s)
-            micro<NR>(ap.data(), B + s * mn * KR, mn, C + n0 * ldc_full + k0 + s * KR, ldc_full, m0 == 0);
+            micro<NR>(ap.data(), B + s * mn * KR, mn, C + n0 * ldc + k0 + s * KR, ldc, m0 == 0);
         }
       });
     }
   }
-  if (M == 0) std::fill(cbuf.begin(), cbuf.end(), 0.0f);
-  at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) std::memcpy(out + r * K, C + r * ldc_full, K * sizeof(float));
-  });
 }
 
 }  // namespace
@@ -149,14 +143,20 @@ at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
   const at::Tensor g = grad.stride(1) == 1 ? grad : grad.contiguous();
   const at::Tensor xx = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t M = g.size(0), N = g.size(1), K = xx.size(1);
-  at::Tensor out = at::empty({N, K}, g.options().dtype(at::kFloat));
-  if (N == 0 || K == 0) return out;
-  if (g.scalar_type() == at::kFloat)
-    weight_grad_impl(g.data_ptr<float>(), g.stride(0), xx.data_ptr<float>(), xx.stride(0), M, N, K, out.data_ptr<float>());
-  else
-    weight_grad_impl(g.data_ptr<c10::BFloat16>(), g.stride(0), xx.data_ptr<c10::BFloat16>(), xx.stride(0), M, N, K,
-                     out.data_ptr<float>());
-  return out;
+  const int64_t rows = (N + NR - 1) / NR * NR, ldc = (K + KR - 1) / KR * KR;
+  at::Tensor c = M == 0 ? at::zeros({rows, ldc}, g.options().dtype(at::kFloat))
+                        : at::empty({rows, ldc}, g.options().dtype(at::kFloat));
+  if (M > 0 && N > 0 && K > 0) {
+    if (g.scalar_type() == at::kFloat)
+      weight_grad_impl(g.data_ptr<float>(), g.stride(0), xx.data_ptr<float>(), xx.stride(0), M, N, K,
+                       c.data_ptr<float>(), ldc);
+    else
+      weight_grad_impl(g.data_ptr<c10::BFloat16>(), g.stride(0), xx.data_ptr<c10::BFloat16>(), xx.stride(0), M, N, K,
+                       c.data_ptr<float>(), ldc);
+  }
+  // [N, K] of the tiles: a view where K is whole tiles (the usual widths), else a copy
+  at::Tensor out = c.narrow(0, 0, N).narrow(1, 0, K);
+  return ldc == K ? out : out.contiguous();
 }
 
 }  // namespace titan_rl
