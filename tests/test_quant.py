@@ -197,7 +197,8 @@ def test_fused_fp8_fake_quantize_is_torchaos_composition(recipe, role, dtype):
     dequantize(quantize(x)) on torchao's primitives: fresh random shapes (odd K and block
     counts where the recipe's block allows), magnitudes from 1e-14 (below the amax floor)
     to 1e6 varying by row and by column block, zero rows, +-inf and NaN. A row (or a
-    128-row tile) alone gives its bits inside the batch."""
+    128-row tile) alone gives its bits inside the batch, at 1 and 2 threads."""
+    from tests._threads import threads
     from titan_rl.kernels.quant import fake_quantize
     from titan_rl.kernels.quant.torch_impl import RECIPES
 
@@ -222,6 +223,10 @@ def test_fused_fp8_fake_quantize_is_torchaos_composition(recipe, role, dtype):
         _assert_same_bits_nan_aside(got, want, (recipe, role, m, k))
         if m > br:
             _assert_same_bits_nan_aside(fake_quantize(x[br:2 * br], recipe, role), got[br:2 * br], (m, k))
+        if trial < 4:  # the kernel splits blocks over threads: 1 and 2 threads give the same bits
+            for t in (1, 2):
+                with threads(t):
+                    _assert_same_bits_nan_aside(fake_quantize(x, recipe, role), got, (recipe, role, m, k, t))
 
 
 def test_fused_mxfp8_takes_torchs_exponent_just_above_a_power_of_two():
