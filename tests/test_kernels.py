@@ -279,6 +279,27 @@ def test_weight_gradient_gemm_is_one_fma_chain_per_output(dtype, rng):
                 assert torch.equal(grad_weight(g[:, 5:], x[:, :k]), want), (m, n, k, dtype, t)
 
 
+def test_bf16_input_gradient_is_one_fma_chain_per_output(rng):
+    """In bf16 the input gradient grad @ W is the same FMA-chain GEMM on grad read transposed:
+    every output the chain over N in order, so a row's bits do not depend on the rows beside it
+    (batch invariance, the property a linear's backward must keep), the thread count or the CPU
+    kind. Odd shapes, prefixes of the rows, 1 and 2 threads."""
+    from tests._threads import threads
+    from titan_rl.kernels.matmul.torch_impl import grad_input
+
+    for m, n, k in [(1, 1, 1), (7, 13, 3), (130, 333, 45), (33, 1030, 70)]:
+        grad = (torch.randn(m, n, generator=rng) * 2).bfloat16()
+        w = (torch.randn(n, k, generator=rng) * 2).bfloat16()
+        want = _fma_chain(grad.t(), w).bfloat16()
+        got = grad_input(grad, w)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (m, n, k)
+        for rows in {1, m // 2 + 1, m}:
+            assert torch.equal(grad_input(grad[-rows:].contiguous(), w), want[-rows:]), (m, n, k, rows)
+        for t in (1, 2):
+            with threads(t):
+                assert torch.equal(grad_input(grad, w), want), (m, n, k, t)
+
+
 def test_weight_gradient_gemm_is_close_to_fp64(rng):
     """At real magnitudes (fp32 operands of 2048 rows) the FMA chain is an fp32 sum: within a
     few ulps of the fp64 product relative to the largest output (measured 2e-6 at 2048 x 3072 x

@@ -1,12 +1,14 @@
-// The weight gradient of a linear, grad [M, N]^T @ x [M, K] -> [N, K] fp32, from the two
-// operands as they lie (row-major, unit column stride): no transposed copies, no reorder.
+// a [M, N]^T @ b [M, K] -> [N, K] fp32, from the operands as they lie: the weight gradient of a
+// linear (a = grad, b = x) and, with a = grad^T as a transposed view and b = W, its input
+// gradient grad @ W. No transposed copies, no reorder.
 //
 // The bits: every output is one fp32 accumulator from +0 fed by one fused multiply-add per
-// row m, in the order m = 0, 1, ..., M-1 (bf16 operands widened to fp32 first, exactly). The
-// tiling (which lane, which tile, which chunk of rows, which thread) never changes that
-// sequence: chunks of rows store the accumulator and reload it, which is exact. So the result
-// depends only on the two operands' values, on every CPU this builds for (AVX-512, AVX2 and
-// the scalar loop run the same FMAs), at any thread count and for any slice of N or K.
+// row m of a and b, in the order m = 0, 1, ..., M-1 (bf16 operands widened to fp32 first,
+// exactly). The tiling (which lane, which tile, which chunk of rows, which thread) never
+// changes that sequence: chunks of rows store the accumulator and reload it, which is exact.
+// So the result depends only on the two operands' values, on every CPU this builds for
+// (AVX-512, AVX2 and the scalar loop run the same FMAs), at any thread count and for any
+// slice of N or K: a row of grad @ W has the same bits whatever rows share the call.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -91,10 +93,11 @@ inline void micro(const float* a, const float* b, int64_t rows, float* c, int64_
   }
 }
 
-// C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K rounded up to KR), rows and
+// g: a [M, N] with row stride ldg and column stride sg1 (1: row-major; a transposed view of a
+// row-major [N, M] has ldg 1). C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K rounded up to KR), rows and
 // columns past N and K computed from zero padding and not read.
 template <typename T>
-void weight_grad_impl(const T* g, int64_t ldg, const T* x, int64_t ldx, int64_t M, int64_t N, int64_t K, float* C,
+void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t ldx, int64_t M, int64_t N, int64_t K, float* C,
                       int64_t ldc) {
   const int64_t kb_pad = ((std::min(K, KB) + KR - 1) / KR) * KR;
   const int64_t n_tiles = (N + NR - 1) / NR;
@@ -121,9 +124,16 @@ void weight_grad_impl(const T* g, int64_t ldg, const T* x, int64_t ldx, int64_t 
         std::vector<float> ap(static_cast<size_t>(mn * NR));
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t n0 = t * NR, nn = std::min<int64_t>(NR, N - n0);
-          for (int64_t r = 0; r < mn; ++r) {
-            const T* src = g + (m0 + r) * ldg + n0;
-            for (int i = 0; i < NR; ++i) ap[r * NR + i] = i < nn ? widen(src[i]) : 0.0f;
+          if (sg1 == 1) {  // the tile's columns of a, row by row
+            for (int64_t r = 0; r < mn; ++r) {
+              const T* src = g + (m0 + r) * ldg + n0;
+              for (int i = 0; i < NR; ++i) ap[r * NR + i] = i < nn ? widen(src[i]) : 0.0f;
+            }
+          } else {  // a transposed view: each of the tile's columns is a contiguous run
+            for (int i = 0; i < NR; ++i) {
+              const T* src = g + m0 * ldg + (n0 + i) * sg1;
+              for (int64_t r = 0; r < mn; ++r) ap[r * NR + i] = i < nn ? widen(src[r * ldg]) : 0.0f;
+            }
           }
           for (int64_t s = 0; s < ksub; ++s)
             micro<NR>(ap.data(), B + s * mn * KR, mn, C + n0 * ldc + k0 + s * KR, ldc, m0 == 0);
@@ -140,7 +150,7 @@ at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
   TORCH_CHECK(grad.scalar_type() == x.scalar_type() &&
                   (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16),
               "weight_grad: two fp32 or two bf16 operands");
-  const at::Tensor g = grad.stride(1) == 1 ? grad : grad.contiguous();
+  const at::Tensor g = (grad.stride(1) == 1 || grad.stride(0) == 1) ? grad : grad.contiguous();
   const at::Tensor xx = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t M = g.size(0), N = g.size(1), K = xx.size(1);
   const int64_t rows = (N + NR - 1) / NR * NR, ldc = (K + KR - 1) / KR * KR;
@@ -148,10 +158,10 @@ at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
                         : at::empty({rows, ldc}, g.options().dtype(at::kFloat));
   if (M > 0 && N > 0 && K > 0) {
     if (g.scalar_type() == at::kFloat)
-      weight_grad_impl(g.data_ptr<float>(), g.stride(0), xx.data_ptr<float>(), xx.stride(0), M, N, K,
+      weight_grad_impl(g.data_ptr<float>(), g.stride(0), g.stride(1), xx.data_ptr<float>(), xx.stride(0), M, N, K,
                        c.data_ptr<float>(), ldc);
     else
-      weight_grad_impl(g.data_ptr<c10::BFloat16>(), g.stride(0), xx.data_ptr<c10::BFloat16>(), xx.stride(0), M, N, K,
+      weight_grad_impl(g.data_ptr<c10::BFloat16>(), g.stride(0), g.stride(1), xx.data_ptr<c10::BFloat16>(), xx.stride(0), M, N, K,
                        c.data_ptr<float>(), ldc);
   }
   // [N, K] of the tiles: a view where K is whole tiles (the usual widths), else a copy
