@@ -55,7 +55,10 @@ constexpr int NR = 4;
 inline vec vload(const float* p) { vec r; std::memcpy(r.v, p, sizeof r.v); return r; }
 inline void vstore(float* p, vec v) { std::memcpy(p, v.v, sizeof v.v); }
 inline vec vbcast(const float* p) { vec r; for (float& x : r.v) x = *p; return r; }
-inline vec vfma(vec a, vec b, vec c) { for (int i = 0; i < 8; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]); return c; }
+inline vec vfma(vec a, vec b, vec c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
 inline vec vzero() { return vec{}; }
 #endif
 
@@ -67,38 +70,40 @@ constexpr int KR = 2 * VW;   // output columns per micro-tile
 constexpr int64_t MC = 128;  // rows of grad and x per chunk (packed, kept in cache)
 constexpr int64_t KB = 1024;  // output columns per block of packed x
 
+// Each thread's packed tile of grad [MC][NR], kept across chunks and calls.
+thread_local std::vector<float> ap_buf;
+
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
 // acc[NR][2] over the chunk's rows: a = packed grad [rows][NR], b = packed x [rows][KR].
 // first: start from +0, else from c (the previous chunks' sums).
-template <int R>
 inline void micro(const float* a, const float* b, int64_t rows, float* c, int64_t ldc, bool first) {
-  vec acc[R][2];
-  for (int i = 0; i < R; ++i) {
+  vec acc[NR][2];
+  for (int i = 0; i < NR; ++i) {
     acc[i][0] = first ? vzero() : vload(c + i * ldc);
     acc[i][1] = first ? vzero() : vload(c + i * ldc + VW);
   }
   for (int64_t m = 0; m < rows; ++m) {
     const vec b0 = vload(b + m * KR), b1 = vload(b + m * KR + VW);
-    for (int i = 0; i < R; ++i) {
-      const vec x = vbcast(a + m * R + i);
+    for (int i = 0; i < NR; ++i) {
+      const vec x = vbcast(a + m * NR + i);
       acc[i][0] = vfma(x, b0, acc[i][0]);
       acc[i][1] = vfma(x, b1, acc[i][1]);
     }
   }
-  for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < NR; ++i) {
     vstore(c + i * ldc, acc[i][0]);
     vstore(c + i * ldc + VW, acc[i][1]);
   }
 }
 
 // g: a [M, N] with row stride ldg and column stride sg1 (1: row-major; a transposed view of a
-// row-major [N, M] has ldg 1). C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K rounded up to KR), rows and
-// columns past N and K computed from zero padding and not read.
+// row-major [N, M] has ldg 1). C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K
+// rounded up to KR), rows and columns past N and K computed from zero padding and not read.
 template <typename T>
-void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t ldx, int64_t M, int64_t N, int64_t K, float* C,
-                      int64_t ldc) {
+void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t ldx, int64_t M, int64_t N,
+                      int64_t K, float* C, int64_t ldc) {
   const int64_t kb_pad = ((std::min(K, KB) + KR - 1) / KR) * KR;
   const int64_t n_tiles = (N + NR - 1) / NR;
   std::vector<float> bp(static_cast<size_t>(MC * kb_pad));
@@ -108,35 +113,40 @@ void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t 
       const int64_t mn = std::min(MC, M - m0);
       float* B = bp.data();
       // x[m0:m0+mn, k0:k0+kn] -> [ksub][mn][KR] fp32, zeros past kn
+      const int64_t kfull = kn / KR;  // whole micro-tiles of columns; the last may be partial
       at::parallel_for(0, mn, 32, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const T* src = x + (m0 + r) * ldx + k0;
-          for (int64_t s = 0; s < ksub; ++s) {
+          for (int64_t s = 0; s < kfull; ++s) {
             float* dst = B + (s * mn + r) * KR;
-            for (int j = 0; j < KR; ++j) {
-              const int64_t k = s * KR + j;
-              dst[j] = k < kn ? widen(src[k]) : 0.0f;
-            }
+            for (int j = 0; j < KR; ++j) dst[j] = widen(src[s * KR + j]);
+          }
+          if (kfull < ksub) {
+            float* dst = B + (kfull * mn + r) * KR;
+            const int64_t left = kn - kfull * KR;
+            for (int j = 0; j < KR; ++j) dst[j] = j < left ? widen(src[kfull * KR + j]) : 0.0f;
           }
         }
       });
       at::parallel_for(0, n_tiles, 4, [&](int64_t t0, int64_t t1) {
-        std::vector<float> ap(static_cast<size_t>(mn * NR));
+        ap_buf.resize(static_cast<size_t>(MC * NR));
+        float* ap = ap_buf.data();
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t n0 = t * NR, nn = std::min<int64_t>(NR, N - n0);
+          if (nn < NR) std::fill(ap, ap + mn * NR, 0.0f);  // the last tile's rows past N
           if (sg1 == 1) {  // the tile's columns of a, row by row
             for (int64_t r = 0; r < mn; ++r) {
               const T* src = g + (m0 + r) * ldg + n0;
-              for (int i = 0; i < NR; ++i) ap[r * NR + i] = i < nn ? widen(src[i]) : 0.0f;
+              for (int i = 0; i < nn; ++i) ap[r * NR + i] = widen(src[i]);
             }
           } else {  // a transposed view: each of the tile's columns is a contiguous run
-            for (int i = 0; i < NR; ++i) {
+            for (int i = 0; i < nn; ++i) {
               const T* src = g + m0 * ldg + (n0 + i) * sg1;
-              for (int64_t r = 0; r < mn; ++r) ap[r * NR + i] = i < nn ? widen(src[r * ldg]) : 0.0f;
+              for (int64_t r = 0; r < mn; ++r) ap[r * NR + i] = widen(src[r * ldg]);
             }
           }
           for (int64_t s = 0; s < ksub; ++s)
-            micro<NR>(ap.data(), B + s * mn * KR, mn, C + n0 * ldc + k0 + s * KR, ldc, m0 == 0);
+            micro(ap, B + s * mn * KR, mn, C + n0 * ldc + k0 + s * KR, ldc, m0 == 0);
         }
       });
     }
@@ -146,7 +156,8 @@ void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t 
 }  // namespace
 
 at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
-  TORCH_CHECK(grad.dim() == 2 && x.dim() == 2 && grad.size(0) == x.size(0), "weight_grad: grad [M, N] and x [M, K]");
+  TORCH_CHECK(grad.dim() == 2 && x.dim() == 2 && grad.size(0) == x.size(0),
+              "weight_grad: grad [M, N] and x [M, K]");
   TORCH_CHECK(grad.scalar_type() == x.scalar_type() &&
                   (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16),
               "weight_grad: two fp32 or two bf16 operands");
@@ -158,11 +169,11 @@ at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
                         : at::empty({rows, ldc}, g.options().dtype(at::kFloat));
   if (M > 0 && N > 0 && K > 0) {
     if (g.scalar_type() == at::kFloat)
-      weight_grad_impl(g.data_ptr<float>(), g.stride(0), g.stride(1), xx.data_ptr<float>(), xx.stride(0), M, N, K,
-                       c.data_ptr<float>(), ldc);
+      weight_grad_impl(g.data_ptr<float>(), g.stride(0), g.stride(1), xx.data_ptr<float>(), xx.stride(0), M, N,
+                       K, c.data_ptr<float>(), ldc);
     else
-      weight_grad_impl(g.data_ptr<c10::BFloat16>(), g.stride(0), g.stride(1), xx.data_ptr<c10::BFloat16>(), xx.stride(0), M, N, K,
-                       c.data_ptr<float>(), ldc);
+      weight_grad_impl(g.data_ptr<c10::BFloat16>(), g.stride(0), g.stride(1), xx.data_ptr<c10::BFloat16>(),
+                       xx.stride(0), M, N, K, c.data_ptr<float>(), ldc);
   }
   // [N, K] of the tiles: a view where K is whole tiles (the usual widths), else a copy
   at::Tensor out = c.narrow(0, 0, N).narrow(1, 0, K);
