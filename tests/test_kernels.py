@@ -429,6 +429,19 @@ def test_rope_matches_reference_and_its_gradient(dtype, rng):
     xr = x.detach().double().requires_grad_()
     (rope_reference(xr, pos, 1e6) * w.double()).sum().backward()
     assert bool(((xg.grad.double() - xr.grad).abs() <= rope_error_bound(w, torch.float32)).all())
+    # the compiled backward (the rotation with -sin) is the eager transposed rotation's bits:
+    # g*c + [g2*s, -(g1*s)], each product and the sum rounded to the dtype
+    from titan_rl.kernels.elementwise.torch_impl import rope_cos_sin
+
+    for d, T in [(64, 50), (34, 7), (98, 1)]:  # head widths off the multiples of 16 too
+        p = torch.randint(0, 3000, (T,), generator=rng)
+        for dt in (torch.float32, torch.bfloat16):
+            xx = torch.randn(T, 3, d, generator=rng).to(dt).requires_grad_()
+            g = torch.randn(T, 3, d, generator=rng).to(dt)
+            rope(xx, p, 1e6).backward(g)
+            c, s = rope_cos_sin(p, d, 1e6, dt)
+            gs = g * s
+            assert torch.equal(xx.grad, g * c + torch.cat([gs[..., d // 2:], -gs[..., : d // 2]], -1)), (d, dt)
 
 
 def _rms_grads(x, w, g):

@@ -49,7 +49,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _ops().silu_mul(g2, u2).reshape(*lead, width)
 
 
-_TABLES: dict = {}  # (d, theta, device) -> [cos fp32 [n, d], sin fp32 [n, d], {dtype: (cos, sin)}]
+# (d, theta, device) -> [cos fp32 [n, d], sin fp32 [n, d], {dtype or ("negated_sin", dtype): (cos, sin)}]
+_TABLES: dict = {}
 
 
 def _table(d: int, theta: float, n: int, device) -> list:
@@ -69,13 +70,19 @@ def _table(d: int, theta: float, n: int, device) -> list:
     return t
 
 
-def rope_tables(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
-    """The cos/sin tables [P, d] in `dtype` (HF: computed in fp32, cast) covering positions."""
+def rope_tables(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype, negated_sin: bool = False):
+    """The cos/sin tables [P, d] in `dtype` (HF: computed in fp32, cast) covering positions;
+    negated_sin: -sin instead (the backward's rotation)."""
     n = int(positions.max()) + 1 if positions.numel() else 1
     t = _table(d, theta, n, positions.device)
     if dtype not in t[2] or t[2][dtype][0].shape[0] != t[0].shape[0]:
         t[2][dtype] = (t[0].to(dtype), t[1].to(dtype))
-    return t[2][dtype]
+    if not negated_sin:
+        return t[2][dtype]
+    key = ("negated_sin", dtype)
+    if key not in t[2] or t[2][key][0].shape[0] != t[0].shape[0]:
+        t[2][key] = (t[2][dtype][0], -t[2][dtype][1])
+    return t[2][key]
 
 
 def rope_cos_sin(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
@@ -95,11 +102,12 @@ class _Rope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # y = x*c + rot(x)*s, rot(x) = [-x2, x1]: dx = g*c + rot^T(g*s) = g*c + rot(g)*(-s),
+        # since s's halves are equal (HF's [freqs, freqs]): the same compiled rotation with the
+        # sine negated, each product and the sum rounded as the eager form rounds them
         (positions,) = ctx.saved_tensors
-        cos, sin = rope_cos_sin(positions, grad.shape[-1], ctx.theta, grad.dtype)
-        d = grad.shape[-1]
-        gs = grad * sin  # y = x*c + rot(x)*s, rot(x) = [-x2, x1]: dx = g*c + rot^T(g*s)
-        return grad * cos + torch.cat([gs[..., d // 2:], -gs[..., : d // 2]], -1), None, None
+        cos, neg_sin = rope_tables(positions, grad.shape[-1], ctx.theta, grad.dtype, negated_sin=True)
+        return _ops().rope(grad, cos, neg_sin, positions), None, None
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
