@@ -92,7 +92,8 @@ def test_lm_head_dpbf16_is_row_layout_thread_invariant(k, n, rng, monkeypatch):
     """The bf16 LM head (csrc/bf16_logits.cpp): fp32 logits within fp32 rounding of the fp64
     products (tolerance: K terms of |h w| ~ 1, fp32 eps 2^-24, times sqrt(K)); every row's
     bits alone == in any batch, at 1 and 2 threads, engine-prepared == trainer; its
-    gradients are the fp32 head's, bit for bit (the backward is the same code)."""
+    gradients are the FMA chains of the upcast operands (the weight gradient the fp32 head's,
+    bit for bit; the input gradient one chain over the vocabulary, each row alone == batched)."""
     from tests._threads import threads
 
     head = _dpbf16_form()
@@ -113,14 +114,25 @@ def test_lm_head_dpbf16_is_row_layout_thread_invariant(k, n, rng, monkeypatch):
     with threads(2):
         two = lm_head_logits(h, w)
     assert torch.equal(one, full) and torch.equal(two, full)
-    # backward: the fp32 head's gradients (the forms' logits differ in rounding, not their gradients)
-    grads, g = {}, torch.randn(69, n, generator=rng)  # a linear loss: the same upstream gradient for both
+    # backward, on the upcast operands (a linear loss: the same upstream gradient for both forms)
+    # (g bf16-valued: then the fp64 emulation of the chain is exact, _fma_chain)
+    grads, g = {}, torch.randn(69, n, generator=rng).bfloat16().float()
     for form in ("dpbf16", "fp32"):
         monkeypatch.setattr(head, "HEAD_FORM", form)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         (lm_head_logits(hh, ww) * g).sum().backward()
         grads[form] = (hh.grad, ww.grad)
-    assert torch.equal(grads["dpbf16"][0], grads["fp32"][0]) and torch.equal(grads["dpbf16"][1], grads["fp32"][1])
+    assert torch.equal(grads["dpbf16"][1], grads["fp32"][1])  # the weight gradient: the same chain
+    # the input gradient g @ W: per output the fp32 FMA chain over the vocabulary, in order
+    assert torch.equal(grads["dpbf16"][0], _fma_chain(g.t(), w.float()).to(torch.bfloat16))
+    for m in (1, 7):  # a row's input gradient alone == in the batch
+        hh = h[-m:].clone().requires_grad_()
+        monkeypatch.setattr(head, "HEAD_FORM", "dpbf16")
+        (lm_head_logits(hh, w) * g[-m:]).sum().backward()
+        assert torch.equal(hh.grad, grads["dpbf16"][0][-m:]), m
+    # and within fp32 rounding of the fp32 head's (oneDNN's order): relative to the largest entry
+    d = (grads["dpbf16"][0].float() - grads["fp32"][0].float()).abs().max() / grads["fp32"][0].float().abs().max()
+    assert d.item() < 2**-7, d.item()  # both rounded to bf16 at the end: a bf16 ulp at most
 
 
 def test_lm_head_dpbf16_refuses_fp32_hidden(rng):
@@ -263,6 +275,7 @@ def test_weight_gradient_gemm_is_one_fma_chain_per_output(dtype, rng):
     rank's block) or the vector width the CPU has. Odd shapes crossing the 128-row chunks and
     1024-column blocks; strided (column-block) views of both operands."""
     from tests._threads import threads
+    from titan_rl.kernels.cpu_ext import ops as _ops
     from titan_rl.kernels.matmul.torch_impl import grad_weight
 
     for m, n, k in [(1, 1, 1), (0, 3, 4), (5, 13, 3), (130, 25, 45), (257, 7, 1030), (300, 131, 33)]:
@@ -277,6 +290,10 @@ def test_weight_gradient_gemm_is_one_fma_chain_per_output(dtype, rng):
         for t in (1, 2):
             with threads(t):
                 assert torch.equal(grad_weight(g[:, 5:], x[:, :k]), want), (m, n, k, dtype, t)
+        # mixed operands (the bf16 LM head's backward: fp32 grad, bf16 weight), widened exactly
+        other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+        mixed = _ops().weight_grad(g[:, 5:], x[:, :k].to(other))
+        assert torch.equal(mixed, _fma_chain(g[:, 5:], x[:, :k])), (m, n, k, other)
 
 
 def test_bf16_input_gradient_is_one_fma_chain_per_output(rng):

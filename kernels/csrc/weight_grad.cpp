@@ -1,6 +1,7 @@
 // a [M, N]^T @ b [M, K] -> [N, K] fp32, from the operands as they lie: the weight gradient of a
 // linear (a = grad, b = x) and, with a = grad^T as a transposed view and b = W, its input
-// gradient grad @ W. No transposed copies, no reorder.
+// gradient grad @ W. No transposed copies, no reorder. Each operand fp32 or bf16, not
+// necessarily the same: the bf16 LM head's backward multiplies an fp32 grad by its bf16 weight.
 //
 // The bits: every output is one fp32 accumulator from +0 fed by one fused multiply-add per
 // row m of a and b, in the order m = 0, 1, ..., M-1 (bf16 operands widened to fp32 first,
@@ -109,8 +110,8 @@ inline void micro(const float* a, const float* b, int64_t rows, float* c, int64_
 // g: a [M, N] with row stride ldg and column stride sg1 (1: row-major; a transposed view of a
 // row-major [N, M] has ldg 1). C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K
 // rounded up to KR), rows and columns past N and K computed from zero padding and not read.
-template <typename T>
-void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t ldx, int64_t M, int64_t N,
+template <typename TA, typename TB>
+void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_t ldx, int64_t M, int64_t N,
                       int64_t K, float* C, int64_t ldc) {
   const int64_t kb_pad = ((std::min(K, KB) + KR - 1) / KR) * KR;
   const int64_t n_tiles = (N + NR - 1) / NR;
@@ -124,7 +125,7 @@ void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t 
       const int64_t kfull = kn / KR;  // whole micro-tiles of columns; the last may be partial
       at::parallel_for(0, mn, 32, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          const T* src = x + (m0 + r) * ldx + k0;
+          const TB* src = x + (m0 + r) * ldx + k0;
           for (int64_t s = 0; s < kfull; ++s) {
             float* dst = B + (s * mn + r) * KR;
             for (int j = 0; j < KR; ++j) dst[j] = widen(src[s * KR + j]);
@@ -144,12 +145,12 @@ void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t 
           if (nn < NR) std::fill(ap, ap + mn * NR, 0.0f);  // the last tile's rows past N
           if (sg1 == 1) {  // the tile's columns of a, row by row
             for (int64_t r = 0; r < mn; ++r) {
-              const T* src = g + (m0 + r) * ldg + n0;
+              const TA* src = g + (m0 + r) * ldg + n0;
               for (int i = 0; i < nn; ++i) ap[r * NR + i] = widen(src[i]);
             }
           } else {  // a transposed view: each of the tile's columns is a contiguous run
             for (int i = 0; i < nn; ++i) {
-              const T* src = g + m0 * ldg + (n0 + i) * sg1;
+              const TA* src = g + m0 * ldg + (n0 + i) * sg1;
               for (int64_t r = 0; r < mn; ++r) ap[r * NR + i] = widen(src[r * ldg]);
             }
           }
@@ -169,9 +170,10 @@ void weight_grad_impl(const T* g, int64_t ldg, int64_t sg1, const T* x, int64_t 
 at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
   TORCH_CHECK(grad.dim() == 2 && x.dim() == 2 && grad.size(0) == x.size(0),
               "weight_grad: grad [M, N] and x [M, K]");
-  TORCH_CHECK(grad.scalar_type() == x.scalar_type() &&
-                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16),
-              "weight_grad: two fp32 or two bf16 operands");
+  auto fp32_or_bf16 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+  };
+  TORCH_CHECK(fp32_or_bf16(grad) && fp32_or_bf16(x), "weight_grad: fp32 or bf16 operands (each widened exactly)");
   const at::Tensor g = (grad.stride(1) == 1 || grad.stride(0) == 1) ? grad : grad.contiguous();
   const at::Tensor xx = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t M = g.size(0), N = g.size(1), K = xx.size(1);
@@ -179,12 +181,16 @@ at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
   at::Tensor c = M == 0 ? at::zeros({rows, ldc}, g.options().dtype(at::kFloat))
                         : at::empty({rows, ldc}, g.options().dtype(at::kFloat));
   if (M > 0 && N > 0 && K > 0) {
-    if (g.scalar_type() == at::kFloat)
-      weight_grad_impl(g.data_ptr<float>(), g.stride(0), g.stride(1), xx.data_ptr<float>(), xx.stride(0), M, N,
-                       K, c.data_ptr<float>(), ldc);
-    else
-      weight_grad_impl(g.data_ptr<c10::BFloat16>(), g.stride(0), g.stride(1), xx.data_ptr<c10::BFloat16>(),
-                       xx.stride(0), M, N, K, c.data_ptr<float>(), ldc);
+    const bool af = g.scalar_type() == at::kFloat, bf = xx.scalar_type() == at::kFloat;
+    using B16 = c10::BFloat16;
+#define TITAN_WG(TA, TB)                                                                                      \
+  weight_grad_impl(g.data_ptr<TA>(), g.stride(0), g.stride(1), xx.data_ptr<TB>(), xx.stride(0), M, N, K, \
+                   c.data_ptr<float>(), ldc)
+    if (af && bf) TITAN_WG(float, float);
+    else if (af) TITAN_WG(float, B16);
+    else if (bf) TITAN_WG(B16, float);
+    else TITAN_WG(B16, B16);
+#undef TITAN_WG
   }
   // [N, K] of the tiles: a view where K is whole tiles (the usual widths), else a copy
   at::Tensor out = c.narrow(0, 0, N).narrow(1, 0, K);
