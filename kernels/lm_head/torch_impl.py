@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from titan_rl.kernels.cpu_ext import ops as _ops
-from titan_rl.kernels.matmul.torch_impl import PackedWeight, linear
+from titan_rl.kernels.matmul.torch_impl import PackedWeight, grad_weight, linear
 
 
 def _dpbf16_available() -> bool:
@@ -64,7 +64,7 @@ class _Dpbf16Head(torch.autograd.Function):
         h2, weight = ctx.saved_tensors
         grad = grad.float()
         gh = _ops().weight_grad(grad.t(), weight).to(h2.dtype) if ctx.needs_input_grad[0] else None
-        gw = _ops().weight_grad(grad, h2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gw = grad_weight(grad, h2).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return gh, gw
 
 

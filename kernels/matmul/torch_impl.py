@@ -153,12 +153,11 @@ def grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def grad_weight(grad: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """grad [M, N]^T @ x2 [M, K] -> [N, K] in grad's dtype: the compiled weight-gradient GEMM
     (kernels/csrc/weight_grad.cpp), one fp32 FMA per row in row order for every output, read
-    from the operands as they lie. Its bits depend on the operands' values only: not on the
+    from the operands as they lie (fp32 or bf16 each, widened exactly: no converted copy). Its bits depend on the operands' values only: not on the
     thread count, the CPU kind, or which slice of N or K a call holds."""
-    if grad.dtype in (torch.float32, torch.bfloat16):
-        return _ops().weight_grad(grad, x2.to(grad.dtype)).to(grad.dtype)
-    g = grad.float()
-    return _ops().weight_grad(g, x2.float()).to(grad.dtype)
+    ok = (torch.float32, torch.bfloat16)
+    g = grad if grad.dtype in ok else grad.float()
+    return _ops().weight_grad(g, x2 if x2.dtype in ok else x2.float()).to(grad.dtype)
 
 
 class _InvariantLinear(torch.autograd.Function):
