@@ -272,13 +272,15 @@ def test_weight_gradient_gemm_is_one_fma_chain_per_output(dtype, rng):
     """The weight gradient (kernels/csrc/weight_grad.cpp) is, for every output, the fp32 FMA
     chain over the rows in order from +0: equal to that definition, so its bits cannot depend on
     the tile an output falls in, the thread count, which slice of N or K a call holds (a TP
-    rank's block) or the vector width the CPU has. Odd shapes crossing the 128-row chunks and
-    1024-column blocks; strided (column-block) views of both operands."""
+    rank's block) or the vector width the CPU has. Odd shapes crossing the 128-row chunks,
+    1024-column blocks and groups of 16 tiles (192 or 96 output rows, which each thread packs and
+    fetches ahead together); strided (column-block) views of both operands."""
     from tests._threads import threads
     from titan_rl.kernels.cpu_ext import ops as _ops
     from titan_rl.kernels.matmul.torch_impl import grad_weight
 
-    for m, n, k in [(1, 1, 1), (0, 3, 4), (5, 13, 3), (130, 25, 45), (257, 7, 1030), (300, 131, 33)]:
+    for m, n, k in [(1, 1, 1), (0, 3, 4), (5, 13, 3), (130, 25, 45), (257, 7, 1030), (300, 131, 33),
+                    (260, 413, 45)]:
         g = (torch.randn(m, n + 5, generator=rng) * 2).bfloat16().to(dtype)
         x = (torch.randn(m, k + 2, generator=rng) * 2).bfloat16().to(dtype)
         want = _fma_chain(g[:, 5:], x[:, :k]).to(dtype)
@@ -300,11 +302,11 @@ def test_bf16_input_gradient_is_one_fma_chain_per_output(rng):
     """In bf16 the input gradient grad @ W is the same FMA-chain GEMM on grad read transposed:
     every output the chain over N in order, so a row's bits do not depend on the rows beside it
     (batch invariance, the property a linear's backward must keep), the thread count or the CPU
-    kind. Odd shapes, prefixes of the rows, 1 and 2 threads."""
+    kind. Odd shapes (401 rows: three groups of tiles), prefixes of the rows, 1 and 2 threads."""
     from tests._threads import threads
     from titan_rl.kernels.matmul.torch_impl import grad_input
 
-    for m, n, k in [(1, 1, 1), (7, 13, 3), (130, 333, 45), (33, 1030, 70)]:
+    for m, n, k in [(1, 1, 1), (7, 13, 3), (130, 333, 45), (33, 1030, 70), (401, 150, 37)]:
         grad = (torch.randn(m, n, generator=rng) * 2).bfloat16()
         w = (torch.randn(n, k, generator=rng) * 2).bfloat16()
         want = _fma_chain(grad.t(), w).bfloat16()
