@@ -362,3 +362,34 @@ def test_on_amx_the_uncapped_bf16_gemm_is_caught_and_the_fp32_form_taken():
         forms[isa] = out.stdout.split()[-1]
     assert forms == {"ALL": "fp32", None: mm.bf16_gemm()}
     assert mm.bf16_gemm() == "native"
+
+
+def test_glibc_keeps_freed_memory_unless_told_not_to():
+    """titan_rl's import sets glibc's thresholds (titan_rl/malloc.py), so a training step's
+    buffers come back from the heap instead of being faulted in afresh every step (a zeroed
+    4 KiB page each, about 1 us); TITAN_RL_MALLOC=system leaves glibc's defaults. A 2-layer
+    small-flavor exact step (4 x 128 tokens) measured 5.5 thousand minor faults against 89
+    thousand (Intel Xeon, 2026-12-05)."""
+    if os.uname().sysname != "Linux":
+        pytest.skip("glibc's thresholds are a Linux matter")
+    code = ("import resource, torch, titan_rl.malloc as m\n"
+            "from titan_rl.models.qwen3 import build\n"
+            "from titan_rl.models.options import ModelOptions\n"
+            "torch.set_num_threads(1)\n"
+            "model = build('small', ModelOptions(kernels='exact'), num_hidden_layers=2).init_weights(0)\n"
+            "tokens = torch.randint(0, model.cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))\n"
+            "def step():\n"
+            "    model(tokens).log_softmax(-1).mean().backward(); model.zero_grad(set_to_none=True)\n"
+            "step(); step()\n"
+            "f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "for _ in range(3): step()\n"
+            "print(m.apply(), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) // 3)\n")
+    got = {}
+    for policy in ("keep", "system"):
+        env = {**os.environ, "TITAN_RL_MALLOC": policy}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        applied, faults = out.stdout.split()[-2:]
+        got[policy] = (applied, int(faults))
+    assert got["keep"][0] == "True" and got["system"][0] == "False", got
+    assert got["keep"][1] * 4 < got["system"][1], got

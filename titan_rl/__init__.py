@@ -1,8 +1,10 @@
 """titan_rl: the trainer and the rollout engine compute the same policy, to the bit."""
 
+from titan_rl import malloc as _malloc
 from titan_rl import onednn_cap as _onednn_cap
 
 _onednn_cap.apply()  # AMX CPUs: oneDNN's bf16 GEMMs batch-invariant again (before any GEMM)
+_malloc.apply()  # glibc reuses freed memory instead of faulting fresh pages in every step
 
 __all__ = ["ArchitectureSpec", "architecture_of", "get_architecture", "list_architectures", "register_architecture"]
 

@@ -1,4 +1,5 @@
-"""oneDNN capped below AMX on AMX CPUs: the one environment choice titan_rl makes at import.
+"""oneDNN capped below AMX on AMX CPUs: one of the two process choices titan_rl makes at import
+(the other: glibc keeps freed memory, malloc.py).
 
 Why (kernels/cpu_features.py has the measurements): oneDNN's AMX bf16 GEMMs give a row bits
 that depend on the row count; capped at AVX512_CORE_BF16 they are batch-invariant. oneDNN reads
