@@ -33,7 +33,7 @@ DEVICE_BACKEND = {"cpu": "torch", "cuda": "triton"}
 # op -> backend -> "module:attribute" (modules under titan_rl.kernels).
 TABLE: dict[str, dict[str, str]] = {
     "linear": {"torch": "matmul.torch_impl:linear", "triton": "matmul.triton_impl:linear"},
-    "gemm_weight": {"torch": "matmul.torch_impl:PackedWeight", "triton": "matmul.triton_impl:gemm_weight"},
+    "gemm_weight": {"torch": "matmul.torch_impl:gemm_weight", "triton": "matmul.triton_impl:gemm_weight"},
     "rms_norm": {"torch": "rmsnorm.torch_impl:rms_norm", "triton": "rmsnorm.triton_impl:rms_norm"},
     "silu_mul": {"torch": "elementwise.torch_impl:silu_mul", "triton": "elementwise.triton_impl:silu_mul"},
     "rope": {"torch": "elementwise.torch_impl:rope", "triton": "elementwise.triton_impl:rope"},

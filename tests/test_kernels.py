@@ -33,6 +33,60 @@ def test_linear_matches_reference_and_is_row_invariant(dtype, rng):
         assert torch.equal(linear(x[-m:], w), full[-m:]), m
 
 
+def _native_bf16_or_skip():
+    from titan_rl.kernels.matmul import torch_impl as mm
+
+    if mm.bf16_gemm() != "native":
+        pytest.skip("no native bf16 GEMM on this CPU (or masked): the engine makes no few-rows copy")
+    return mm
+
+
+@pytest.mark.parametrize("k", [300, 512, 514, 700, 1024, 1026, 1100, 3001, 4098])
+def test_onednns_bf16_gemm_sums_k_in_the_chunks_the_few_rows_path_uses(k):
+    """oneDNN's native bf16 GEMM (the trainer's and the engine's at 8+ rows) read off its
+    outputs (matmul.torch_impl.boundary_probe): a chunk starts exactly at each multiple of
+    onednn_k_chunk(k) below K (none for K <= 512), whatever N; the few-rows path adds its
+    chunks there. A one-term tail cannot show and rounds the same either way."""
+    mm = _native_bf16_or_skip()
+    x = mm.boundary_probe(k)
+    chunk = mm.onednn_k_chunk(k)
+    want = [s for s in range(32, k, 32) if chunk and s % chunk == 0 and k - s >= 2]
+    for n in (16, 77, 300):
+        y = linear(x, torch.ones(n, k, dtype=torch.bfloat16)).float()
+        assert set(y.unique().tolist()) <= {1024.0, 1032.0}
+        assert bool((y == y[:, :1]).all())
+        assert [32 * (r + 1) for r in range(x.shape[0]) if y[r, 0] == 1032.0] == want, n
+
+
+@pytest.mark.parametrize("n,k", [(997, 301), (77, 1537), (512, 512), (9, 33), (130, 777), (40, 2050)])
+def test_few_rows_on_the_engine_copy_are_onednns_bits(n, k, rng):
+    """Decode at 1-4 rows (FEW_ROWS) reads the engine weight's dot-product copy instead of
+    padding to oneDNN's 8 rows: each row == the padded call's row (the trainer's path) and ==
+    the reference's vdpbf16ps chains over oneDNN's K chunks, added in order, rounded to bf16,
+    at 1 and 2 threads, wherever the rows sit in the batch. N crosses the kernel's 4-block
+    groups and tails; K odd and past one and two chunks."""
+    from tests._threads import threads
+    from titan_rl.kernels.matmul.reference import dpbf16_dot
+
+    mm = _native_bf16_or_skip()
+    w = (torch.randn(n, k, generator=rng) * k**-0.5).to(torch.bfloat16)
+    x = torch.randn(13, k, generator=rng).to(torch.bfloat16)
+    engine, trainer = mm.gemm_weight(w), mm.PackedWeight(w)
+    assert engine.few_rows is not None and trainer.few_rows is None
+    full = linear(x, trainer)
+    chunk = mm.onednn_k_chunk(k) or k
+    ref = None
+    for c0 in range(0, k, chunk):
+        part = dpbf16_dot(x[:, c0:c0 + chunk], w[:, c0:c0 + chunk])
+        ref = part if ref is None else ref + part
+    assert torch.equal(full, ref.to(torch.bfloat16))
+    for t in (1, 2):
+        with threads(t):
+            for r in range(1, mm.FEW_ROWS + 1):
+                for s in (0, 5, 13 - r):
+                    assert torch.equal(linear(x[s:s + r], engine), full[s:s + r]), (t, r, s)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_matches_reference_and_is_row_invariant(dtype, rng):
     x = torch.randn(70, 96, generator=rng).to(dtype)

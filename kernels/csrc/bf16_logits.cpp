@@ -79,12 +79,14 @@ at::Tensor pack(const at::Tensor& w_in) {
 }
 
 #ifdef TITAN_RL_DPBF16
-// rows r < R of a micro-tile: out[r, 0:32] = sum_p h_pairs[r][p] . packed[p]
+// the k-pairs [p0, p1) of rows r < R of a micro-tile, each output's chain from +0:
+// out[r, 0:32] = that chain (add: out[r, 0:32] + that chain, one fp32 add)
 template <int R>
-inline void tile(const uint32_t* const* h, const uint16_t* wb, int64_t kp, float* const* out, int64_t ncols) {
+inline void tile(const uint32_t* const* h, const uint16_t* wb, int64_t p0, int64_t p1, float* const* out,
+                 int64_t ncols, bool add = false) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < kp; ++p) {
+  for (int64_t p = p0; p < p1; ++p) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * NB * 2);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * NB * 2 + 32);
     for (int r = 0; r < R; ++r) {
@@ -96,8 +98,68 @@ inline void tile(const uint32_t* const* h, const uint16_t* wb, int64_t kp, float
   const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
   const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
   for (int r = 0; r < R; ++r) {
+    if (add) {
+      acc[r][0] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, out[r]), acc[r][0]);
+      acc[r][1] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, out[r] + 16), acc[r][1]);
+    }
     _mm512_mask_storeu_ps(out[r], m0, acc[r][0]);
     _mm512_mask_storeu_ps(out[r] + 16, m1, acc[r][1]);
+  }
+}
+
+// G column blocks at once for a few rows (decode: 1-4 rows): R x 2G accumulators are enough
+// independent chains to keep the dot-product pipes busy where one block's 2R were not (at
+// one row, 2 chains waited on the instruction's latency). Each output's instruction
+// sequence is tile()'s, so its bits are too.
+template <int R, int G>
+inline void tile_wide(const uint32_t* const* h, const uint16_t* wb, int64_t bstride, int64_t p0, int64_t p1,
+                      float* const* out, bool add) {
+  __m512 acc[R][2 * G];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < 2 * G; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh w[2 * G];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      w[2 * g] = (__m512bh)_mm512_loadu_si512(wb + g * bstride + p * NB * 2);
+      w[2 * g + 1] = (__m512bh)_mm512_loadu_si512(wb + g * bstride + p * NB * 2 + 32);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(h[r][p]));
+#pragma GCC unroll 16
+      for (int j = 0; j < 2 * G; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < 2 * G; ++j)
+      _mm512_storeu_ps(out[r] + 16 * j, add ? _mm512_add_ps(_mm512_loadu_ps(out[r] + 16 * j), acc[r][j]) : acc[r][j]);
+}
+
+// rows [0, R) (R = M <= 4) against blocks [b0, b1): G blocks a tile while whole groups remain
+// (their outputs written in place), the rest one block at a time through tile(). K in chunks
+// of kcp pairs: each chunk's chain from +0, added to the chunks before in order (kcp = kp:
+// one chain, the LM head's form; smaller: oneDNN's, see kernels/matmul/torch_impl.py).
+template <int R, int G>
+void few_rows(const uint32_t* h, int64_t kp, int64_t kcp, const uint16_t* wp, float* o, int64_t N, int64_t b0,
+              int64_t b1) {
+  const uint32_t* hr[R];
+  float* orow[R];
+  for (int r = 0; r < R; ++r) hr[r] = h + r * kp;
+  int64_t b = b0;
+  for (; b + G <= b1 && (b + G) * NB <= N; b += G) {
+    for (int r = 0; r < R; ++r) orow[r] = o + r * N + b * NB;
+    for (int64_t p0 = 0; p0 < kp; p0 += kcp)
+      tile_wide<R, G>(hr, wp + b * kp * NB * 2, kp * NB * 2, p0, std::min(kp, p0 + kcp), orow, p0 > 0);
+  }
+  for (; b < b1; ++b) {
+    for (int r = 0; r < R; ++r) orow[r] = o + r * N + b * NB;
+    for (int64_t p0 = 0; p0 < kp; p0 += kcp)
+      tile<R>(hr, wp + b * kp * NB * 2, p0, std::min(kp, p0 + kcp), orow, N - b * NB < NB ? N - b * NB : NB, p0 > 0);
   }
 }
 
@@ -109,17 +171,20 @@ void rows_tile(const uint32_t* h, int64_t m0, int64_t kp, const uint16_t* wb, fl
     hr[r] = h + (m0 + r) * kp;
     orow[r] = o + (m0 + r) * N + n0;
   }
-  tile<R>(hr, wb, kp, orow, N - n0 < NB ? N - n0 : NB);
+  tile<R>(hr, wb, 0, kp, orow, N - n0 < NB ? N - n0 : NB);
 }
 #endif
 
-// h [M, K] bf16, packed from `pack` (N given) -> [M, N] fp32
-at::Tensor logits(const at::Tensor& h_in, const at::Tensor& packed, int64_t N) {
+// h [M, K] bf16, packed from `pack` (N given) -> [M, N] fp32. k_chunk > 0 (even; 1-4 rows only,
+// the AVX512-BF16 form): K in chunks of k_chunk, each chunk's chain from +0, summed in order.
+at::Tensor logits(const at::Tensor& h_in, const at::Tensor& packed, int64_t N, int64_t k_chunk) {
   TORCH_CHECK(available(), "bf16_logits: this build has neither AVX512-BF16 nor AVX2 with FMA");
   TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kBFloat16, "bf16_logits: a 2D bfloat16 input");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2 && packed.size(0) * NB >= N,
               "bf16_logits: the weight must come from bf16_logits_pack");
   const int64_t M = h_in.size(0), K = h_in.size(1), kp = packed.size(1);
+  TORCH_CHECK(k_chunk == 0 || (k_chunk > 0 && k_chunk % 2 == 0 && M >= 1 && M <= 4 && implementation() == "avx512bf16"),
+              "bf16_logits: k_chunk (", k_chunk, ") must be 0, or even with 1-4 rows on the AVX512-BF16 form");
   TORCH_CHECK((K + 1) / 2 == kp, "bf16_logits: input has K = ", K, ", the packed weight ", 2 * kp);
   // rows as k-pairs; an odd K gets one zero column (the packed weight has zeros there too)
   at::Tensor h = h_in.contiguous();
@@ -134,6 +199,20 @@ at::Tensor logits(const at::Tensor& h_in, const at::Tensor& packed, int64_t N) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* op = o.data_ptr<float>();
   const int64_t nb = (N + NB - 1) / NB;
+  if (M >= 1 && M <= 4) {
+    const int64_t kcp = k_chunk > 0 ? k_chunk / 2 : kp;
+    // grain: whole groups of 4 blocks per thread (a group's outputs are the same either way)
+    at::parallel_for(0, (nb + 3) / 4, 1, [=](int64_t g0, int64_t g1) {
+      const int64_t b0 = g0 * 4, b1 = std::min(nb, g1 * 4);
+      switch (M) {
+        case 1: few_rows<1, 4>(hp, kp, kcp, wp, op, N, b0, b1); break;
+        case 2: few_rows<2, 3>(hp, kp, kcp, wp, op, N, b0, b1); break;
+        case 3: few_rows<3, 2>(hp, kp, kcp, wp, op, N, b0, b1); break;
+        default: few_rows<4, 2>(hp, kp, kcp, wp, op, N, b0, b1); break;
+      }
+    });
+    return o;
+  }
   for (int64_t mc = 0; mc < M; mc += MC) {
     const int64_t me = mc + MC < M ? mc + MC : M;
     at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
@@ -185,5 +264,5 @@ TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("bf16_logits_available() -> bool", &titan_rl::available);
   m.def("dpbf16_implementation() -> str", &titan_rl::implementation);
   m.def("bf16_logits_pack(Tensor weight) -> Tensor", &titan_rl::pack);
-  m.def("bf16_logits(Tensor hidden, Tensor packed, int n) -> Tensor", &titan_rl::logits);
+  m.def("bf16_logits(Tensor hidden, Tensor packed, int n, int k_chunk=0) -> Tensor", &titan_rl::logits);
 }

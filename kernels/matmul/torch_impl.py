@@ -17,7 +17,7 @@ bf16 (`bf16_gemm()`): "native" bf16 GEMMs where the CPU has bf16 instructions; e
 operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (faster than a bf16 GEMM
 without those instructions: docs/kernels.md).
 
-The engine prepares each weight once per load (`PackedWeight`); the
+The engine prepares each weight once per load (`gemm_weight`); the
 trainer's weights change every step, so `linear` packs them per call (a copy of K*N
 values, small beside the M*K*N GEMM). Both go through the same reorder and GEMM, so
 both give the same bits. The backward's two GEMMs (`grad_input`, `grad_weight`) are
@@ -29,6 +29,16 @@ runs over the rows, which oneDNN's linear would need transposed copies of both o
 10% of a bf16 step); in bf16 `grad_input` is the same GEMM on grad read transposed, in fp32
 `linear`'s GEMM on the transposed weight.
 The fixed pieces below also fix their backward's shapes, for TP-invariant gradients.
+
+Few rows (decode at batch <= FEW_ROWS, the tail of every rollout): padded to 8 rows, oneDNN
+computes 8 rows' products to keep 1 (bf16, 10 layers of the small flavor: 9.6 ms a token where
+oneDNN on the row alone takes 4.5 ms, with other bits). oneDNN's native bf16 GEMM is, per
+output, vdpbf16ps chains over k-pairs in order from +0, K in chunks (`onednn_k_chunk`) added in
+order, rounded to bf16; the LM head's dot-product kernel (kernels/csrc/bf16_logits.cpp)
+computes that given the chunk. So the engine's weights also carry that kernel's packed copy,
+and 1-4 rows run there: the same bits (tests/test_kernels.py; `_few_rows_exact` checks each K on
+this platform, the chunk boundaries included, before the copy is made) at 0.3-0.6x the padded
+call's time, for one more copy of each weight in the engine.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from titan_rl.kernels.matmul import blocks
 
 ROW_MULTIPLE = 8
 MIN_N = 16  # narrower weights are zero-padded to this many output columns
+FEW_ROWS = 4  # calls of at most this many rows run on the engine weight's few-rows copy
 
 
 def _native_bf16() -> bool:
@@ -88,15 +99,69 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 and bf16_gemm() == "fp32" else dtype
 
 
+def onednn_k_chunk(k: int) -> int:
+    """How oneDNN's native bf16 GEMM (brgemm, avx512_core_bf16) sums K, as measured here
+    (tests/test_kernels.py reads it back): K <= 512 one chain (0 here); else chunks of 512
+    (K <= 1024) or 1024 columns, each chunk's chain from +0, the chunks added in order in fp32."""
+    return 0 if k <= 512 else 512 if k <= 1024 else 1024
+
+
+def boundary_probe(k: int) -> torch.Tensor:
+    """Rows that read a GEMM's K-chunk boundaries off its bf16 outputs (weights all 1): row r
+    holds 1024 and 4 in the two columns before s = 32 (r + 1) (1028: bf16's rounding midpoint
+    between 1024 and 1032, a tie that rounds to 1024), then terms of 7/16 of that sum's fp32
+    ulp in up to 32 columns from s. One chain absorbs each term (under half an ulp): the row
+    rounds to 1024. A chunk starting at s sums them apart and adds them (7/8 ulp and more):
+    the fp32 sum passes 1028 and the row rounds to 1032. So row r is 1032 exactly where a
+    chunk starts at s (for chunks of 2 or more terms; one term rounds the same either way)."""
+    starts = list(range(32, k, 32))
+    x = torch.zeros(len(starts), k)
+    for r, s in enumerate(starts):
+        x[r, s - 2], x[r, s - 1] = 1024.0, 4.0
+        x[r, s:s + 32] = 7 * 2.0**-17
+    return x.bfloat16()
+
+
+_FEW_ROWS_K: dict[int, bool] = {}
+
+
+def _few_rows_exact(k: int) -> bool:
+    """Whether the dot-product kernel, K chunked as `onednn_k_chunk(k)` says, gives oneDNN's
+    native bf16 bits for 1..FEW_ROWS rows at this K here: on `boundary_probe`'s rows and on
+    random ones, against the padded call (once per K; one thread, as `_native_bf16_invariant`)."""
+    if k not in _FEW_ROWS_K:
+        ok = bf16_gemm() == "native" and _ops().bf16_logits_available() and _ops().dpbf16_implementation() == "avx512bf16"
+        if ok:
+            n = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                g = torch.Generator().manual_seed(k)
+                w = torch.cat([torch.ones(16, k), torch.randn(17, k, generator=g)]).bfloat16()
+                x = torch.cat([boundary_probe(k), torch.randn(FEW_ROWS, k, generator=g).bfloat16()])
+                whole = _gemm(x, PackedWeight(w))
+                packed, chunk = _ops().bf16_logits_pack(w), onednn_k_chunk(k)
+                ok = all(torch.equal(_ops().bf16_logits(x[r:r + FEW_ROWS], packed, 33, chunk).bfloat16(),
+                                     whole[r:r + FEW_ROWS]) for r in range(0, x.shape[0], FEW_ROWS))
+            finally:
+                torch.set_num_threads(n)
+        _FEW_ROWS_K[k] = ok
+    return _FEW_ROWS_K[k]
+
+
 class PackedWeight:
     """A [N, K] weight prepared for the GEMM: in the GEMM dtype, N padded to MIN_N, and
-    (GEMM = "onednn") reordered into oneDNN's layout. Opaque: only `linear` reads it."""
+    (GEMM = "onednn") reordered into oneDNN's layout; `few_rows`: the dot-product kernel's
+    packed copy for calls of 1..FEW_ROWS rows (engine weights, bf16 native form), else None.
+    Opaque: only `linear` reads it."""
 
-    __slots__ = ("data", "n", "k", "gemm", "bf16_gemm")
+    __slots__ = ("data", "few_rows", "k_chunk", "n", "k", "gemm", "bf16_gemm")
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, few_rows: bool = False):
         w = weight.detach().to(gemm_dtype(weight.dtype)).contiguous()
         self.n, self.k = w.shape
+        few = few_rows and w.dtype == torch.bfloat16 and _few_rows_exact(self.k)
+        self.few_rows = _ops().bf16_logits_pack(w) if few else None
+        self.k_chunk = onednn_k_chunk(self.k) if few else None
         if self.n < MIN_N:
             w = torch.cat([w, w.new_zeros(MIN_N - self.n, self.k)])
         self.gemm, self.bf16_gemm = GEMM, bf16_gemm()
@@ -107,11 +172,19 @@ class PackedWeight:
         return self.data.dtype
 
 
+def gemm_weight(weight: torch.Tensor) -> PackedWeight:
+    """The engine's prepared weight (once per load): the GEMM's, with the few-rows copy
+    decode at small batches reads."""
+    return PackedWeight(weight, few_rows=True)
+
+
 def _gemm(x2: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     """x2 [M, K] (in the GEMM dtype) @ weight^T -> [M, N], M padded inside one call."""
     if (pw.gemm, pw.bf16_gemm) != (GEMM, bf16_gemm()):
         raise RuntimeError("PackedWeight was made under another GEMM choice; pack it again")
     m = x2.shape[0]
+    if pw.few_rows is not None and 0 < m <= FEW_ROWS:
+        return _ops().bf16_logits(x2, pw.few_rows, pw.n, pw.k_chunk).to(torch.bfloat16)
     pad = (-m) % ROW_MULTIPLE if m else ROW_MULTIPLE
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, pw.k)])

@@ -73,12 +73,13 @@ class TitanWorkerExtension:
         corrupt_operand(m._net, name, m._lm_head_prepared)
 
 
-def corrupt_operand(net, name: str, lm_head=None) -> None:
+def corrupt_operand(net, name: str, lm_head=None, field: str | None = None) -> None:
     """Change one element of the prepared operand a weight_digests name `name` names
     (models.layers.held_operands of the engine's model `net`; LM_HEAD_OPERAND: `lm_head`, the
-    wrapper's), where the engine's forward reads it: the first element of its first tensor (a
-    float gets +1, a code byte flips an exponent bit of each value in it). For the tests of the
-    post-sync check (titan_rl/rl/engine_link.py)."""
+    wrapper's), where the engine's forward reads it: the first element of its first tensor, or
+    of its tensor `field` (a PackedWeight's "few_rows" copy) (a float gets +1, a code byte flips
+    an exponent bit of each value in it). For the tests of the post-sync check
+    (titan_rl/rl/engine_link.py)."""
     from titan_rl.models.layers import LM_HEAD_OPERAND, held_operands
 
     held = {**dict(held_operands(net)), LM_HEAD_OPERAND: lm_head}
@@ -91,7 +92,7 @@ def corrupt_operand(net, name: str, lm_head=None) -> None:
     if isinstance(op, torch.Tensor):
         _bump(op)
         return
-    field = next(f for f in type(op).__slots__ if isinstance(getattr(op, f), torch.Tensor))
+    field = field or next(f for f in type(op).__slots__ if isinstance(getattr(op, f), torch.Tensor))
     t = getattr(op, field)
     if t.layout == torch._mkldnn:  # oneDNN's blocked layout: edit the plain form, reorder it back
         plain = t.to_dense()
