@@ -284,6 +284,23 @@ def test_attention_paged_random_layouts(rng):
             assert torch.equal(out[qsl[s] : qsl[s + 1]], dense[s, a:b]), (D, Hkv, G, dtype, page, lens, spans)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_write_skips_padding_slots(dtype, rng):
+    """vLLM marks padding tokens with slot -1: the write stores every other token where its
+    slot says and touches nothing for those (the engine passes its slots unfiltered)."""
+    page, hkv, D = 32, 2, 64
+    k = torch.randn(7, hkv, D, generator=rng).to(dtype)
+    v = torch.randn(7, hkv, D, generator=rng).to(dtype)
+    slots = torch.tensor([5, -1, 40, 3, -1, 63, 0])
+    keep = slots >= 0
+    cache = torch.full((3, hkv, 2, page, D), 7.0, dtype=dtype)
+    ref = cache.clone()
+    kv_cache_write(ref, k[keep], v[keep], slots[keep])
+    kv_cache_write(cache, k, v, slots)
+    assert torch.equal(cache, ref)
+    assert int((ref != 7.0).sum()) > 0
+
+
 def test_linear_backward_is_the_gradient(rng):
     """The invariant forward's backward uses plain GEMMs: same gradient up to fp32 rounding."""
     x = torch.randn(70, 48, generator=rng, requires_grad=True)

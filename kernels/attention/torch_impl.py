@@ -120,8 +120,8 @@ def _halves(kv_cache: torch.Tensor):
 
 def kv_cache_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """Store key/value [n, Hkv, D] of n tokens at cache slots [n] (page * page_size +
-    offset; all >= 0) in the layout attention_paged reads; kv_cache contiguous (vLLM's
-    per-layer cache is)."""
+    offset; a negative slot, vLLM's padding token, is skipped) in the layout attention_paged
+    reads; kv_cache contiguous (vLLM's per-layer cache is)."""
     _ops().kv_cache_write(kv_cache, key, value, slots, _dots(kv_cache.dtype, kv_cache.shape[-1]))
 
 

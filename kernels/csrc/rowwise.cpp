@@ -223,6 +223,7 @@ template <typename C, typename S>
 void write_rows(C* cache, const S* key, const S* value, const int64_t* slots, int64_t n, int64_t hkv, int64_t page,
                 int64_t D, bool pairs) {
   for (int64_t t = 0; t < n; ++t) {
+    if (slots[t] < 0) continue;  // vLLM's padding tokens (slot -1) are not stored
     const int64_t p = slots[t] / page, off = slots[t] % page;
     for (int64_t h = 0; h < hkv; ++h) {
       C* base = cache + ((p * hkv + h) * 2) * page * D;

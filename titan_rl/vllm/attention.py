@@ -23,10 +23,8 @@ class TitanAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         n_pages, hkv, page, _ = kv_cache.shape
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        keep = slots >= 0  # -1 marks padding tokens
-        kv_cache_write(kv_cache.view(n_pages, hkv, 2, page, -1), key[:n][keep], value[:n][keep], slots[keep])
+        n = slot_mapping.shape[0]  # padding tokens (slot -1) are skipped by the kernel
+        kv_cache_write(kv_cache.view(n_pages, hkv, 2, page, -1), key[:n], value[:n], slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
