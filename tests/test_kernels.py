@@ -33,58 +33,67 @@ def test_linear_matches_reference_and_is_row_invariant(dtype, rng):
         assert torch.equal(linear(x[-m:], w), full[-m:]), m
 
 
-def _native_bf16_or_skip():
+def _few_rows_or_skip(dtype):
     from titan_rl.kernels.matmul import torch_impl as mm
 
-    if mm.bf16_gemm() != "native":
-        pytest.skip("no native bf16 GEMM on this CPU (or masked): the engine makes no few-rows copy")
+    if not mm._few_rows_form(dtype):
+        pytest.skip(f"no few-rows kernel for {dtype} here (bf16: no native bf16 GEMM; fp32: no AVX-512 build; "
+                    "or masked): the engine pads as the trainer does")
     return mm
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [300, 512, 514, 700, 1024, 1026, 1100, 3001, 4098])
-def test_onednns_bf16_gemm_sums_k_in_the_chunks_the_few_rows_path_uses(k):
-    """oneDNN's native bf16 GEMM (the trainer's and the engine's at 8+ rows) read off its
-    outputs (matmul.torch_impl.boundary_probe): a chunk starts exactly at each multiple of
-    onednn_k_chunk(k) below K (none for K <= 512), whatever N; the few-rows path adds its
-    chunks there. A one-term tail cannot show and rounds the same either way."""
-    mm = _native_bf16_or_skip()
-    x = mm.boundary_probe(k)
+def test_onednns_gemm_sums_k_in_the_chunks_the_few_rows_path_uses(k, dtype):
+    """oneDNN's GEMM (the trainer's and the engine's at 8+ rows) read off its outputs
+    (matmul.torch_impl.boundary_probe): a chunk starts exactly at each multiple of
+    onednn_k_chunk(k) below K (none for K <= 512), whatever N, in bf16 and fp32; the few-rows
+    path adds its chunks there. A one-term tail cannot show and rounds the same either way."""
+    mm = _few_rows_or_skip(dtype)
+    x = mm.boundary_probe(k, dtype)
     chunk = mm.onednn_k_chunk(k)
     want = [s for s in range(32, k, 32) if chunk and s % chunk == 0 and k - s >= 2]
     for n in (16, 77, 300):
-        y = linear(x, torch.ones(n, k, dtype=torch.bfloat16)).float()
-        assert set(y.unique().tolist()) <= {1024.0, 1032.0}
+        y = linear(x, torch.ones(n, k, dtype=dtype)).float()
+        assert float(y.min()) == (1024.0 if dtype == torch.bfloat16 else 1.0)
+        if dtype == torch.bfloat16:  # 1024 or 1032 (fp32: above 1 by the tail's terms, which vary in count)
+            assert len(set(y.unique().tolist())) <= 2
         assert bool((y == y[:, :1]).all())
-        assert [32 * (r + 1) for r in range(x.shape[0]) if y[r, 0] == 1032.0] == want, n
+        assert [32 * (r + 1) for r in range(x.shape[0]) if y[r, 0] != y.min()] == want, n
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(997, 301), (77, 1537), (512, 512), (9, 33), (130, 777), (40, 2050)])
-def test_few_rows_on_the_engine_copy_are_onednns_bits(n, k, rng):
-    """Decode at 1-4 rows (FEW_ROWS) reads the engine weight's dot-product copy instead of
-    padding to oneDNN's 8 rows: each row == the padded call's row (the trainer's path) and ==
-    the reference's vdpbf16ps chains over oneDNN's K chunks, added in order, rounded to bf16,
-    at 1 and 2 threads, wherever the rows sit in the batch. N crosses the kernel's 4-block
-    groups and tails; K odd and past one and two chunks."""
+def test_few_rows_on_the_engine_copy_are_onednns_bits(n, k, dtype, rng):
+    """Decode at 1-4 rows (FEW_ROWS) reads the engine weight's few-rows copy instead of padding
+    to oneDNN's 8 rows: each row == the padded call's row (the trainer's path), at 1 and 2
+    threads, wherever the rows sit in the batch; and == the reference's chains over oneDNN's K
+    chunks, added in order (bf16: vdpbf16ps, rounded to bf16; fp32: FMAs, on bf16-valued
+    operands so that the fp64 reference is exact). N crosses the kernels' block groups and
+    tails; K odd and past one and two chunks."""
     from tests._threads import threads
     from titan_rl.kernels.matmul.reference import dpbf16_dot
 
-    mm = _native_bf16_or_skip()
-    w = (torch.randn(n, k, generator=rng) * k**-0.5).to(torch.bfloat16)
-    x = torch.randn(13, k, generator=rng).to(torch.bfloat16)
-    engine, trainer = mm.gemm_weight(w), mm.PackedWeight(w)
-    assert engine.few_rows is not None and trainer.few_rows is None
-    full = linear(x, trainer)
+    mm = _few_rows_or_skip(dtype)
     chunk = mm.onednn_k_chunk(k) or k
-    ref = None
-    for c0 in range(0, k, chunk):
-        part = dpbf16_dot(x[:, c0:c0 + chunk], w[:, c0:c0 + chunk])
-        ref = part if ref is None else ref + part
-    assert torch.equal(full, ref.to(torch.bfloat16))
-    for t in (1, 2):
-        with threads(t):
-            for r in range(1, mm.FEW_ROWS + 1):
-                for s in (0, 5, 13 - r):
-                    assert torch.equal(linear(x[s:s + r], engine), full[s:s + r]), (t, r, s)
+    for exact_ref in (True, False) if dtype == torch.float32 else (True,):
+        w = (torch.randn(n, k, generator=rng) * k**-0.5).to(torch.bfloat16 if exact_ref else dtype).to(dtype)
+        x = torch.randn(13, k, generator=rng).to(torch.bfloat16 if exact_ref else dtype).to(dtype)
+        engine, trainer = mm.gemm_weight(w), mm.PackedWeight(w)
+        assert engine.few_rows is not None and trainer.few_rows is None
+        full = linear(x, trainer)
+        if exact_ref:
+            ref = None
+            for c0 in range(0, k, chunk):
+                xs, ws = x[:, c0:c0 + chunk], w[:, c0:c0 + chunk]
+                part = dpbf16_dot(xs, ws) if dtype == torch.bfloat16 else _fma_chain(xs.t(), ws.t())
+                ref = part if ref is None else ref + part
+            assert torch.equal(full, ref.to(dtype))
+        for t in (1, 2):
+            with threads(t):
+                for r in range(1, mm.FEW_ROWS + 1):
+                    for s in (0, 5, 13 - r):
+                        assert torch.equal(linear(x[s:s + r], engine), full[s:s + r]), (t, r, s)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

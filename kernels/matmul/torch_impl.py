@@ -32,13 +32,14 @@ The fixed pieces below also fix their backward's shapes, for TP-invariant gradie
 
 Few rows (decode at batch <= FEW_ROWS, the tail of every rollout): padded to 8 rows, oneDNN
 computes 8 rows' products to keep 1 (bf16, 10 layers of the small flavor: 9.6 ms a token where
-oneDNN on the row alone takes 4.5 ms, with other bits). oneDNN's native bf16 GEMM is, per
-output, vdpbf16ps chains over k-pairs in order from +0, K in chunks (`onednn_k_chunk`) added in
-order, rounded to bf16; the LM head's dot-product kernel (kernels/csrc/bf16_logits.cpp)
-computes that given the chunk. So the engine's weights also carry that kernel's packed copy,
-and 1-4 rows run there: the same bits (tests/test_kernels.py; `_few_rows_exact` checks each K on
-this platform, the chunk boundaries included, before the copy is made) at 0.3-0.6x the padded
-call's time, for one more copy of each weight in the engine.
+oneDNN on the row alone takes 4.5 ms, with other bits). oneDNN's GEMM computes each output as
+chains in order from +0 (bf16: vdpbf16ps over k-pairs; fp32: FMAs over k), K cut in chunks
+(`onednn_k_chunk`) whose sums are added in order, then rounded to the output dtype. The LM
+head's dot-product kernel (csrc/bf16_logits.cpp) and csrc/few_rows_f32.cpp compute that given
+the chunk, so the engine's weights also carry their packed copy and 1-4 rows run there: the
+same bits (tests/test_kernels.py; `_few_rows_exact` checks each K and dtype on this platform,
+the chunk boundaries included, before the copy is made) at 0.3-0.7x the padded call's time,
+for one more copy of each weight in the engine.
 """
 
 from __future__ import annotations
@@ -106,52 +107,79 @@ def onednn_k_chunk(k: int) -> int:
     return 0 if k <= 512 else 512 if k <= 1024 else 1024
 
 
-def boundary_probe(k: int) -> torch.Tensor:
-    """Rows that read a GEMM's K-chunk boundaries off its bf16 outputs (weights all 1): row r
-    holds 1024 and 4 in the two columns before s = 32 (r + 1) (1028: bf16's rounding midpoint
-    between 1024 and 1032, a tie that rounds to 1024), then terms of 7/16 of that sum's fp32
-    ulp in up to 32 columns from s. One chain absorbs each term (under half an ulp): the row
-    rounds to 1024. A chunk starting at s sums them apart and adds them (7/8 ulp and more):
-    the fp32 sum passes 1028 and the row rounds to 1032. So row r is 1032 exactly where a
-    chunk starts at s (for chunks of 2 or more terms; one term rounds the same either way)."""
+def boundary_probe(k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows that read a GEMM's K-chunk boundaries off its outputs (weights all 1): row r holds
+    a sum in the columns before s = 32 (r + 1) and, in up to 32 columns from s, terms under
+    half that sum's ulp. One chain absorbs each term; a chunk starting at s sums them apart
+    and adds them, and the row's output changes. bf16: 1024 and 4 (1028, bf16's rounding
+    midpoint between 1024 and 1032, a tie that rounds to 1024), terms of 7/16 of its fp32 ulp:
+    the row is 1032 exactly where a chunk starts at s. fp32: 1, terms of 3/8 ulp: the row
+    is above 1 exactly there. (Chunks of 2 or more terms; one term rounds the same either way.)"""
     starts = list(range(32, k, 32))
     x = torch.zeros(len(starts), k)
     for r, s in enumerate(starts):
-        x[r, s - 2], x[r, s - 1] = 1024.0, 4.0
-        x[r, s:s + 32] = 7 * 2.0**-17
-    return x.bfloat16()
+        if dtype == torch.bfloat16:
+            x[r, s - 2], x[r, s - 1] = 1024.0, 4.0
+            x[r, s:s + 32] = 7 * 2.0**-17
+        else:
+            x[r, s - 1] = 1.0
+            x[r, s:s + 32] = 3 * 2.0**-26
+    return x.to(dtype)
 
 
-_FEW_ROWS_K: dict[int, bool] = {}
+_FEW_ROWS_K: dict[tuple[int, torch.dtype], bool] = {}
 
 
-def _few_rows_exact(k: int) -> bool:
-    """Whether the dot-product kernel, K chunked as `onednn_k_chunk(k)` says, gives oneDNN's
-    native bf16 bits for 1..FEW_ROWS rows at this K here: on `boundary_probe`'s rows and on
-    random ones, against the padded call (once per K; one thread, as `_native_bf16_invariant`)."""
-    if k not in _FEW_ROWS_K:
-        ok = bf16_gemm() == "native" and _ops().bf16_logits_available() and _ops().dpbf16_implementation() == "avx512bf16"
+def _few_rows_form(dtype: torch.dtype) -> bool:
+    """Whether this platform has the few-rows kernel of `dtype`'s GEMM: bf16 where oneDNN's bf16
+    GEMM is native (AVX512-BF16; the LM head's dot-product kernel), fp32 where the kernel's
+    AVX-512 form is built (csrc/few_rows_f32.cpp)."""
+    if GEMM != "onednn":
+        return False
+    if dtype == torch.bfloat16:
+        return bf16_gemm() == "native" and _ops().bf16_logits_available() and _ops().dpbf16_implementation() == "avx512bf16"
+    return dtype == torch.float32 and _ops().few_rows_f32_form() == "avx512"
+
+
+def _few_rows_pack(w: torch.Tensor) -> torch.Tensor:
+    return _ops().bf16_logits_pack(w) if w.dtype == torch.bfloat16 else _ops().few_rows_f32_pack(w)
+
+
+def _few_rows_call(x2: torch.Tensor, packed: torch.Tensor, n: int, k_chunk: int) -> torch.Tensor:
+    if x2.dtype == torch.bfloat16:
+        return _ops().bf16_logits(x2, packed, n, k_chunk).to(torch.bfloat16)
+    return _ops().few_rows_f32(x2, packed, n, k_chunk)
+
+
+def _few_rows_exact(k: int, dtype: torch.dtype) -> bool:
+    """Whether the few-rows kernel, K chunked as `onednn_k_chunk(k)` says, gives oneDNN's bits
+    in `dtype` for 1..FEW_ROWS rows at this K here: on `boundary_probe`'s rows and on random
+    ones, against the padded call (once per K and dtype; one thread, as
+    `_native_bf16_invariant`)."""
+    key = (k, dtype)
+    if key not in _FEW_ROWS_K:
+        ok = _few_rows_form(dtype)
         if ok:
             n = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 g = torch.Generator().manual_seed(k)
-                w = torch.cat([torch.ones(16, k), torch.randn(17, k, generator=g)]).bfloat16()
-                x = torch.cat([boundary_probe(k), torch.randn(FEW_ROWS, k, generator=g).bfloat16()])
+                w = torch.cat([torch.ones(16, k), torch.randn(17, k, generator=g)]).to(dtype)
+                x = torch.cat([boundary_probe(k, dtype), torch.randn(FEW_ROWS, k, generator=g).to(dtype)])
                 whole = _gemm(x, PackedWeight(w))
-                packed, chunk = _ops().bf16_logits_pack(w), onednn_k_chunk(k)
-                ok = all(torch.equal(_ops().bf16_logits(x[r:r + FEW_ROWS], packed, 33, chunk).bfloat16(),
-                                     whole[r:r + FEW_ROWS]) for r in range(0, x.shape[0], FEW_ROWS))
+                packed, chunk = _few_rows_pack(w), onednn_k_chunk(k)
+                ok = all(torch.equal(_few_rows_call(x[r:r + FEW_ROWS], packed, 33, chunk), whole[r:r + FEW_ROWS])
+                         for r in range(0, x.shape[0], FEW_ROWS))
             finally:
                 torch.set_num_threads(n)
-        _FEW_ROWS_K[k] = ok
-    return _FEW_ROWS_K[k]
+        _FEW_ROWS_K[key] = ok
+    return _FEW_ROWS_K[key]
 
 
 class PackedWeight:
     """A [N, K] weight prepared for the GEMM: in the GEMM dtype, N padded to MIN_N, and
-    (GEMM = "onednn") reordered into oneDNN's layout; `few_rows`: the dot-product kernel's
-    packed copy for calls of 1..FEW_ROWS rows (engine weights, bf16 native form), else None.
+    (GEMM = "onednn") reordered into oneDNN's layout; `few_rows`: the few-rows kernel's packed
+    copy for calls of 1..FEW_ROWS rows (engine weights where `_few_rows_exact`), else None.
     Opaque: only `linear` reads it."""
 
     __slots__ = ("data", "few_rows", "k_chunk", "n", "k", "gemm", "bf16_gemm")
@@ -159,8 +187,8 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor, few_rows: bool = False):
         w = weight.detach().to(gemm_dtype(weight.dtype)).contiguous()
         self.n, self.k = w.shape
-        few = few_rows and w.dtype == torch.bfloat16 and _few_rows_exact(self.k)
-        self.few_rows = _ops().bf16_logits_pack(w) if few else None
+        few = few_rows and w.dtype in (torch.bfloat16, torch.float32) and _few_rows_exact(self.k, w.dtype)
+        self.few_rows = _few_rows_pack(w) if few else None
         self.k_chunk = onednn_k_chunk(self.k) if few else None
         if self.n < MIN_N:
             w = torch.cat([w, w.new_zeros(MIN_N - self.n, self.k)])
@@ -184,7 +212,7 @@ def _gemm(x2: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
         raise RuntimeError("PackedWeight was made under another GEMM choice; pack it again")
     m = x2.shape[0]
     if pw.few_rows is not None and 0 < m <= FEW_ROWS:
-        return _ops().bf16_logits(x2, pw.few_rows, pw.n, pw.k_chunk).to(torch.bfloat16)
+        return _few_rows_call(x2, pw.few_rows, pw.n, pw.k_chunk)
     pad = (-m) % ROW_MULTIPLE if m else ROW_MULTIPLE
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, pw.k)])
