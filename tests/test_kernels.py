@@ -33,6 +33,24 @@ def test_linear_matches_reference_and_is_row_invariant(dtype, rng):
         assert torch.equal(linear(x[-m:], w), full[-m:]), m
 
 
+@pytest.mark.parametrize("n,k", [(77, 301), (33, 7), (997, 1537), (16, 2), (1, 1)])
+def test_packed_weights_are_the_layouts_the_kernels_read(n, k, rng):
+    """bf16_logits_pack: [ceil(N/32), ceil(K/2), 32, 2]; few_rows_f32_pack: [ceil(N/16), K, 16];
+    zeros past N and K (a copy: no arithmetic), at 1 and 2 threads."""
+    import torch.nn.functional as F
+    from tests._threads import threads
+    from titan_rl.kernels.cpu_ext import ops
+
+    w = torch.randn(n, k, generator=rng)
+    nb, kp, nb16 = -(-n // 32), -(-k // 2), -(-n // 16)
+    want = F.pad(w.bfloat16(), (0, 2 * kp - k, 0, nb * 32 - n)).view(nb, 32, kp, 2).permute(0, 2, 1, 3)
+    want32 = F.pad(w, (0, 0, 0, nb16 * 16 - n)).view(nb16, 16, k).permute(0, 2, 1)
+    for t in (1, 2):
+        with threads(t):
+            assert torch.equal(ops().bf16_logits_pack(w.bfloat16()), want)
+            assert torch.equal(ops().few_rows_f32_pack(w), want32)
+
+
 def _few_rows_or_skip(dtype):
     from titan_rl.kernels.matmul import torch_impl as mm
 

@@ -68,12 +68,22 @@ at::Tensor pack(const at::Tensor& w_in) {
   at::Tensor p = at::zeros({nb, kp, NB, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(p.data_ptr());
+  // pair-major: the block's NB rows are read side by side (each row's cache line serves 16
+  // pairs) and the packed block written in order (column-major writes ran 3x the reorder's time)
   at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t c = 0; c < NB && b * NB + c < N; ++c) {
-        const uint16_t* row = src + (b * NB + c) * K;
-        for (int64_t k = 0; k < K; ++k) dst[((b * kp + k / 2) * NB + c) * 2 + (k & 1)] = row[k];
-      }
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min(NB, N - b * NB);
+      const uint16_t* rows = src + b * NB * K;
+      uint16_t* out = dst + b * kp * NB * 2;
+      for (int64_t q = 0; q < K / 2; ++q)
+        for (int64_t c = 0; c < cols; ++c) {
+          uint32_t v;
+          std::memcpy(&v, rows + c * K + 2 * q, sizeof v);
+          std::memcpy(out + (q * NB + c) * 2, &v, sizeof v);
+        }
+      if (K % 2)  // the last pair: (w[K-1], 0)
+        for (int64_t c = 0; c < cols; ++c) out[((kp - 1) * NB + c) * 2] = rows[c * K + K - 1];
+    }
   });
   return p;
 }

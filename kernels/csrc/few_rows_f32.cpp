@@ -52,13 +52,15 @@ at::Tensor pack(const at::Tensor& w_in) {
   at::Tensor p = at::zeros({nb, K, NB}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = p.data_ptr<float>();
+  // k-major: the block's rows read side by side, the packed block written in order
   at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t c = 0; c < NB && b * NB + c < N; ++c) {
-        const float* row = src + (b * NB + c) * K;
-        float* col = dst + b * K * NB + c;
-        for (int64_t k = 0; k < K; ++k) col[k * NB] = row[k];
-      }
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min(NB, N - b * NB);
+      const float* rows = src + b * NB * K;
+      float* out = dst + b * K * NB;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t c = 0; c < cols; ++c) out[k * NB + c] = rows[c * K + k];
+    }
   });
   return p;
 }
