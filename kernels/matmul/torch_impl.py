@@ -101,7 +101,7 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def onednn_k_chunk(k: int) -> int:
-    """How oneDNN's native bf16 GEMM (brgemm, avx512_core_bf16) sums K, as measured here
+    """How oneDNN's GEMM (brgemm; bf16 native and fp32 alike) sums K, as measured here
     (tests/test_kernels.py reads it back): K <= 512 one chain (0 here); else chunks of 512
     (K <= 1024) or 1024 columns, each chunk's chain from +0, the chunks added in order in fp32."""
     return 0 if k <= 512 else 512 if k <= 1024 else 1024
@@ -187,7 +187,7 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor, few_rows: bool = False):
         w = weight.detach().to(gemm_dtype(weight.dtype)).contiguous()
         self.n, self.k = w.shape
-        few = few_rows and w.dtype in (torch.bfloat16, torch.float32) and _few_rows_exact(self.k, w.dtype)
+        few = few_rows and _few_rows_exact(self.k, w.dtype)  # False for a dtype without a few-rows kernel
         self.few_rows = _few_rows_pack(w) if few else None
         self.k_chunk = onednn_k_chunk(self.k) if few else None
         if self.n < MIN_N:
