@@ -579,12 +579,16 @@ def run_det_fsdp(res: dict) -> None:
         # The control (the collective's own sum) on the dense model only: that one
         # differing shows the equality below is the leaf tree's doing.
         for det in (True, False) if tag == "dense" else (True,):
+            t0 = time.perf_counter()
             wide = det_train(arch, flavor, mesh["dp"], det, dtype)
+            res.setdefault("case_seconds", {})[f"fsdp_wide_{tag}_{det}"] = round(time.perf_counter() - t0, 1)
             # the MoE models again with their experts expert-parallel (EP = FSDP = world)
             wide_ep = det_train(arch, flavor, mesh["dp"], det, dtype, ep=True) if tag in EP_TAGS else None
             if dist.get_rank() != 0:  # the one-process run talks to no other rank: rank 0's alone
                 continue
+            t0 = time.perf_counter()
             solo = det_train(arch, flavor, mesh["solo"], det, dtype)
+            res["case_seconds"][f"fsdp_solo_{tag}_{det}"] = round(time.perf_counter() - t0, 1)
             key = f"{'det' if det else 'plain'}_{tag}"
             res[f"{key}_equal"] = all(torch.equal(wide[n], solo[n]) for n in wide)
             res[f"{key}_maxdiff"] = max(maxdiff(wide[n], solo[n]) for n in wide)
@@ -710,10 +714,14 @@ def run_det_tp(res: dict, tags: tuple[str, ...] = ("dense", "dense_bf16", "moe",
     odd_leaves = {"next": 4, "q35": 2, "q35moe": 2}
     for tag, arch, flavor, dtype in (case for case in cases if case[0] in tags):
         leaves = odd_leaves.get(tag, DET_TP_LEAVES)
+        t0 = time.perf_counter()
         tp = det_train(arch, flavor, mesh["dp"], True, dtype, tp_mesh=mesh["tp"], tp_leaves=leaves)
+        res.setdefault("case_seconds", {})[f"tp_wide_{tag}"] = round(time.perf_counter() - t0, 1)
         if dist.get_rank() != 0:  # the one-process run talks to no other rank: rank 0's alone
             continue
+        t0 = time.perf_counter()
         one = det_train(arch, flavor, solo, True, dtype, tp_leaves=leaves)
+        res["case_seconds"][f"tp_solo_{tag}"] = round(time.perf_counter() - t0, 1)
         res[f"dettp_{tag}_equal"] = all(torch.equal(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_maxdiff"] = max(maxdiff(tp[n], one[n]) for n in one)
         res[f"dettp_{tag}_differ"] = sorted(n for n in one if not torch.equal(tp[n], one[n]))[:8]

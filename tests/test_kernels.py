@@ -33,6 +33,28 @@ def test_linear_matches_reference_and_is_row_invariant(dtype, rng):
         assert torch.equal(linear(x[-m:], w), full[-m:]), m
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(77, 301), (1003, 576), (16, 1537), (5, 64)])
+def test_the_trainers_plain_weight_gives_the_engines_bits(n, k, dtype, rng):
+    """The trainer hands oneDNN its weight as it lies (reordered inside the call), the engine
+    reorders once per load: every row count, odd ones included, gives the same bits either
+    way, at 1 and 2 threads."""
+    from tests._threads import threads
+    from titan_rl.kernels.matmul import torch_impl as mm
+
+    w = torch.randn(n, k, generator=rng).to(dtype)
+    x = torch.randn(257, k, generator=rng).to(dtype)
+    plain, reordered = mm.PackedWeight(w, reorder=False), mm.PackedWeight(w)
+    if mm.GEMM == "onednn":  # the two really are different operands
+        assert (plain.data.shape, plain.data.stride()) != (reordered.data.shape, reordered.data.stride())
+    for t in (1, 2):
+        with threads(t):
+            for m in (1, 3, 8, 13, 64, 130, 257):
+                want = linear(x[:m], reordered)
+                assert torch.equal(linear(x[:m], plain), want), (t, m)
+                assert torch.equal(linear(x[:m], w), want), (t, m)  # what the trainer's linear builds
+
+
 @pytest.mark.parametrize("n,k", [(77, 301), (33, 7), (997, 1537), (16, 2), (1, 1)])
 def test_packed_weights_are_the_layouts_the_kernels_read(n, k, rng):
     """bf16_logits_pack: [ceil(N/32), ceil(K/2), 32, 2]; few_rows_f32_pack: [ceil(N/16), K, 16];

@@ -17,12 +17,11 @@ bf16 (`bf16_gemm()`): "native" bf16 GEMMs where the CPU has bf16 instructions; e
 operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (faster than a bf16 GEMM
 without those instructions: docs/kernels.md).
 
-The engine prepares each weight once per load (`gemm_weight`); the
-trainer's weights change every step, so `linear` packs them per call (a copy of K*N
-values, small beside the M*K*N GEMM). Both go through the same reorder and GEMM, so
-both give the same bits. The backward's two GEMMs (`grad_input`, `grad_weight`) are
-fixed too: torch.mm's own choice depends on the thread count (measured: fp32 grad @ W
-at M = 5..11 rows, bf16 grad^T @ x at M = 2048, 1 vs 2 threads), and a training step must
+The engine prepares each weight once per load (`gemm_weight`: reordered); the
+trainer's weights change every step, so `linear` hands oneDNN the plain weight, which it
+reorders inside the call: the same GEMM, so both give the same bits (`PackedWeight`).
+The backward's two GEMMs (`grad_input`, `grad_weight`) are fixed too: torch.mm's own
+choice depends on the thread count (measured: fp32 grad @ W at M = 5..11 rows, bf16 grad^T @ x at M = 2048, 1 vs 2 threads), and a training step must
 give the same bits at any thread count (the layout tests and the contract compare ranks
 that may run different counts). `grad_weight` is a compiled GEMM of its own (the reduction
 runs over the rows, which oneDNN's linear would need transposed copies of both operands for:
@@ -178,13 +177,20 @@ def _few_rows_exact(k: int, dtype: torch.dtype) -> bool:
 
 class PackedWeight:
     """A [N, K] weight prepared for the GEMM: in the GEMM dtype, N padded to MIN_N, and
-    (GEMM = "onednn") reordered into oneDNN's layout; `few_rows`: the few-rows kernel's packed
-    copy for calls of 1..FEW_ROWS rows (engine weights where `_few_rows_exact`), else None.
-    Opaque: only `linear` reads it."""
+    (GEMM = "onednn", `reorder`) reordered into oneDNN's layout; `few_rows`: the few-rows
+    kernel's packed copy for calls of 1..FEW_ROWS rows (engine weights where
+    `_few_rows_exact`), else None. Opaque: only `linear` reads it.
+
+    `reorder=False` (the trainer's per-call weights): oneDNN's GEMM takes the plain weight and
+    reorders it inside the call, with the same bits (plain == reordered at M 8..136, 512, 2048,
+    K 64..2049, N 16..1003, fp32 and native bf16, 1 and 2 threads, AVX-512 and AVX2: 2,736
+    cases, tests/test_kernels.py pins it) and without the separate reorder call's fixed cost,
+    about 150 us per weight whatever its size (Intel Xeon, 2026-12-06: a [64, 64] weight's
+    reorder + GEMM of 40 rows 191 us, the plain call 29 us). The engine reorders once per load."""
 
     __slots__ = ("data", "few_rows", "k_chunk", "n", "k", "gemm", "bf16_gemm")
 
-    def __init__(self, weight: torch.Tensor, few_rows: bool = False):
+    def __init__(self, weight: torch.Tensor, few_rows: bool = False, reorder: bool = True):
         w = weight.detach().to(gemm_dtype(weight.dtype)).contiguous()
         self.n, self.k = w.shape
         few = few_rows and _few_rows_exact(self.k, w.dtype)  # False for a dtype without a few-rows kernel
@@ -193,7 +199,7 @@ class PackedWeight:
         if self.n < MIN_N:
             w = torch.cat([w, w.new_zeros(MIN_N - self.n, self.k)])
         self.gemm, self.bf16_gemm = GEMM, bf16_gemm()
-        self.data = torch.ops.mkldnn._reorder_linear_weight(w, None) if GEMM == "onednn" else w
+        self.data = torch.ops.mkldnn._reorder_linear_weight(w, None) if GEMM == "onednn" and reorder else w
 
     @property
     def dtype(self) -> torch.dtype:
@@ -225,7 +231,7 @@ def _gemm(x2: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 
 def _invariant_mm(x2: torch.Tensor, weight) -> torch.Tensor:
     """x2 [M, K] @ weight^T in x2's dtype; `weight` a tensor or a PackedWeight."""
-    pw = weight if isinstance(weight, PackedWeight) else PackedWeight(weight)
+    pw = weight if isinstance(weight, PackedWeight) else PackedWeight(weight, reorder=False)
     g = pw.dtype
     y = _gemm(x2 if x2.dtype == g else x2.to(g), pw)
     return y if y.dtype == x2.dtype else y.to(x2.dtype)
