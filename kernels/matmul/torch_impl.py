@@ -21,9 +21,10 @@ The engine prepares each weight once per load (`gemm_weight`: reordered); the
 trainer's weights change every step, so `linear` hands oneDNN the plain weight, which it
 reorders inside the call: the same GEMM, so both give the same bits (`PackedWeight`).
 The backward's two GEMMs (`grad_input`, `grad_weight`) are fixed too: torch.mm's own
-choice depends on the thread count (measured: fp32 grad @ W at M = 5..11 rows, bf16 grad^T @ x at M = 2048, 1 vs 2 threads), and a training step must
-give the same bits at any thread count (the layout tests and the contract compare ranks
-that may run different counts). `grad_weight` is a compiled GEMM of its own (the reduction
+choice depends on the thread count (measured: fp32 grad @ W at M = 5..11 rows, bf16
+grad^T @ x at M = 2048, 1 vs 2 threads), and a training step must give the same bits at
+any thread count (the layout tests and the contract compare ranks that may run different
+counts). `grad_weight` is a compiled GEMM of its own (the reduction
 runs over the rows, which oneDNN's linear would need transposed copies of both operands for:
 10% of a bf16 step); in bf16 `grad_input` is the same GEMM on grad read transposed, in fp32
 `linear`'s GEMM on the transposed weight.
