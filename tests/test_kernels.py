@@ -36,16 +36,21 @@ def test_linear_matches_reference_and_is_row_invariant(dtype, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(77, 301), (1003, 576), (16, 1537), (5, 64)])
 def test_the_trainers_plain_weight_gives_the_engines_bits(n, k, dtype, rng):
-    """The trainer hands oneDNN its weight as it lies (reordered inside the call), the engine
-    reorders once per load: every row count, odd ones included, gives the same bits either
-    way, at 1 and 2 threads."""
+    """The trainer's per-call weight (fp32 where the chain kernel gives oneDNN's bits at this K:
+    every call on its packed copy, csrc/f32_chain.cpp; else oneDNN on the weight as it lies,
+    reordered inside the call) and the engine's, reordered once per load: every row count, odd
+    ones included, gives the same bits either way, at 1 and 2 threads."""
     from tests._threads import threads
     from titan_rl.kernels.matmul import torch_impl as mm
 
     w = torch.randn(n, k, generator=rng).to(dtype)
     x = torch.randn(257, k, generator=rng).to(dtype)
     plain, reordered = mm.PackedWeight(w, reorder=False), mm.PackedWeight(w)
-    if mm.GEMM == "onednn":  # the two really are different operands
+    assert not reordered.all_rows
+    # the trainer's fp32 form is the chain kernel wherever its AVX-512 form is built (it must then
+    # match oneDNN at these K, or this fails)
+    assert plain.all_rows == (dtype == torch.float32 and mm._few_rows_form(torch.float32))
+    if mm.GEMM == "onednn" and not plain.all_rows:  # the two really are different operands
         assert (plain.data.shape, plain.data.stride()) != (reordered.data.shape, reordered.data.stride())
     for t in (1, 2):
         with threads(t):
@@ -129,6 +134,8 @@ def test_few_rows_on_the_engine_copy_are_onednns_bits(n, k, dtype, rng):
                 part = dpbf16_dot(xs, ws) if dtype == torch.bfloat16 else _fma_chain(xs.t(), ws.t())
                 ref = part if ref is None else ref + part
             assert torch.equal(full, ref.to(dtype))
+            # the trainer's per-call weight: fp32 on the chain kernel at every row count
+            assert torch.equal(linear(x, mm.PackedWeight(w, reorder=False)), ref.to(dtype))
         for t in (1, 2):
             with threads(t):
                 for r in range(1, mm.FEW_ROWS + 1):
@@ -364,19 +371,6 @@ def test_linear_backward_is_the_gradient(rng):
         assert torch.equal(linear(x, w), linear(x.detach(), w.detach()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32])
-def test_compiled_transpose_is_the_strided_copy(dtype, rng):
-    """grad_input's transposed weight comes from the compiled transpose (kernels/csrc/
-    transpose.cpp): equal to ATen's copy at odd and tile-crossing shapes, from a row-strided
-    view too."""
-    from titan_rl.kernels.matmul.torch_impl import _transposed
-
-    for r, c in [(1, 1), (0, 5), (7, 333), (64, 64), (65, 129), (200, 3), (130, 1001)]:
-        x = (torch.randn(r, c + 3, generator=rng) * 100).to(dtype)
-        for src in (x[:, :c].contiguous(), x[:, 3:]):
-            assert torch.equal(_transposed(src), src.t().contiguous()), (r, c, dtype)
-
-
 def _fma_chain(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """sum over rows m in order of fma(g[m, n], x[m, k], acc) from +0, in fp64 rounded to fp32
     after each step: the correctly rounded FMA wherever acc + product is exact in fp64, which
@@ -418,20 +412,23 @@ def test_weight_gradient_gemm_is_one_fma_chain_per_output(dtype, rng):
         assert torch.equal(mixed, _fma_chain(g[:, 5:], x[:, :k])), (m, n, k, other)
 
 
-def test_bf16_input_gradient_is_one_fma_chain_per_output(rng):
-    """In bf16 the input gradient grad @ W is the same FMA-chain GEMM on grad read transposed:
-    every output the chain over N in order, so a row's bits do not depend on the rows beside it
-    (batch invariance, the property a linear's backward must keep), the thread count or the CPU
-    kind. Odd shapes (401 rows: three groups of tiles), prefixes of the rows, 1 and 2 threads."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_gradient_is_one_fma_chain_per_output(dtype, rng):
+    """The input gradient grad @ W (bf16: the weight gradient's GEMM on grad read transposed;
+    fp32: csrc/f32_chain.cpp on W's column blocks) is for every output the fp32 FMA chain over N
+    in order from +0, so a row's bits do not depend on the rows beside it (batch invariance, the
+    property a linear's backward must keep), the thread count or the CPU kind. Odd shapes (401
+    rows: three groups of tiles; K not a multiple of 16; N past 4096, where the fp32 chain runs
+    in passes), prefixes of the rows, 1 and 2 threads."""
     from tests._threads import threads
     from titan_rl.kernels.matmul.torch_impl import grad_input
 
-    for m, n, k in [(1, 1, 1), (7, 13, 3), (130, 333, 45), (33, 1030, 70), (401, 150, 37)]:
-        grad = (torch.randn(m, n, generator=rng) * 2).bfloat16()
-        w = (torch.randn(n, k, generator=rng) * 2).bfloat16()
-        want = _fma_chain(grad.t(), w).bfloat16()
+    for m, n, k in [(1, 1, 1), (7, 13, 3), (130, 333, 45), (33, 1030, 70), (401, 150, 37), (9, 5001, 21)]:
+        grad = (torch.randn(m, n, generator=rng) * 2).bfloat16().to(dtype)
+        w = (torch.randn(n, k, generator=rng) * 2).bfloat16().to(dtype)
+        want = _fma_chain(grad.t(), w).to(dtype)
         got = grad_input(grad, w)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (m, n, k)
+        assert got.dtype == dtype and torch.equal(got, want), (m, n, k)
         for rows in {1, m // 2 + 1, m}:
             assert torch.equal(grad_input(grad[-rows:].contiguous(), w), want[-rows:]), (m, n, k, rows)
         for t in (1, 2):

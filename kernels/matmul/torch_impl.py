@@ -18,8 +18,10 @@ operands upcast to fp32 (exact), an fp32 GEMM, rounded to bf16 (faster than a bf
 without those instructions: docs/kernels.md).
 
 The engine prepares each weight once per load (`gemm_weight`: reordered); the
-trainer's weights change every step, so `linear` hands oneDNN the plain weight, which it
-reorders inside the call: the same GEMM, so both give the same bits (`PackedWeight`).
+trainer's weights change every step: in fp32 `linear` runs oneDNN's arithmetic on its own
+kernel (csrc/f32_chain.cpp, on a copy packed per call; wherever `_few_rows_exact` finds it
+equal to oneDNN at that K), else hands oneDNN the plain weight, which it reorders inside the
+call: the same bits either way (`PackedWeight`).
 The backward's two GEMMs (`grad_input`, `grad_weight`) are fixed too: torch.mm's own
 choice depends on the thread count (measured: fp32 grad @ W at M = 5..11 rows, bf16
 grad^T @ x at M = 2048, 1 vs 2 threads), and a training step must give the same bits at
@@ -27,7 +29,7 @@ any thread count (the layout tests and the contract compare ranks that may run d
 counts). `grad_weight` is a compiled GEMM of its own (the reduction
 runs over the rows, which oneDNN's linear would need transposed copies of both operands for:
 10% of a bf16 step); in bf16 `grad_input` is the same GEMM on grad read transposed, in fp32
-`linear`'s GEMM on the transposed weight.
+csrc/f32_chain.cpp's chains on the weight's column blocks.
 The fixed pieces below also fix their backward's shapes, for TP-invariant gradients.
 
 Few rows (decode at batch <= FEW_ROWS, the tail of every rollout): padded to 8 rows, oneDNN
@@ -35,7 +37,7 @@ computes 8 rows' products to keep 1 (bf16, 10 layers of the small flavor: 9.6 ms
 oneDNN on the row alone takes 4.5 ms, with other bits). oneDNN's GEMM computes each output as
 chains in order from +0 (bf16: vdpbf16ps over k-pairs; fp32: FMAs over k), K cut in chunks
 (`onednn_k_chunk`) whose sums are added in order, then rounded to the output dtype. The LM
-head's dot-product kernel (csrc/bf16_logits.cpp) and csrc/few_rows_f32.cpp compute that given
+head's dot-product kernel (csrc/bf16_logits.cpp) and csrc/f32_chain.cpp compute that given
 the chunk, so the engine's weights also carry their packed copy and 1-4 rows run there: the
 same bits (tests/test_kernels.py; `_few_rows_exact` checks each K and dtype on this platform,
 the chunk boundaries included, before the copy is made) at 0.3-0.7x the padded call's time,
@@ -133,7 +135,7 @@ _FEW_ROWS_K: dict[tuple[int, torch.dtype], bool] = {}
 def _few_rows_form(dtype: torch.dtype) -> bool:
     """Whether this platform has the few-rows kernel of `dtype`'s GEMM: bf16 where oneDNN's bf16
     GEMM is native (AVX512-BF16; the LM head's dot-product kernel), fp32 where the kernel's
-    AVX-512 form is built (csrc/few_rows_f32.cpp)."""
+    AVX-512 form is built (csrc/f32_chain.cpp)."""
     if GEMM != "onednn":
         return False
     if dtype == torch.bfloat16:
@@ -170,6 +172,8 @@ def _few_rows_exact(k: int, dtype: torch.dtype) -> bool:
                 packed, chunk = _few_rows_pack(w), onednn_k_chunk(k)
                 ok = all(torch.equal(_few_rows_call(x[r:r + FEW_ROWS], packed, 33, chunk), whole[r:r + FEW_ROWS])
                          for r in range(0, x.shape[0], FEW_ROWS))
+                if dtype == torch.float32:  # the trainer's form: the same chains at any row count
+                    ok = ok and torch.equal(_ops().chain_f32(x, packed, 33, chunk), whole)
             finally:
                 torch.set_num_threads(n)
         _FEW_ROWS_K[key] = ok
@@ -189,12 +193,14 @@ class PackedWeight:
     about 150 us per weight whatever its size (Intel Xeon, 2026-12-06: a [64, 64] weight's
     reorder + GEMM of 40 rows 191 us, the plain call 29 us). The engine reorders once per load."""
 
-    __slots__ = ("data", "few_rows", "k_chunk", "n", "k", "gemm", "bf16_gemm")
+    __slots__ = ("data", "few_rows", "k_chunk", "all_rows", "n", "k", "gemm", "bf16_gemm")
 
     def __init__(self, weight: torch.Tensor, few_rows: bool = False, reorder: bool = True):
         w = weight.detach().to(gemm_dtype(weight.dtype)).contiguous()
         self.n, self.k = w.shape
-        few = few_rows and _few_rows_exact(self.k, w.dtype)  # False for a dtype without a few-rows kernel
+        # the trainer's fp32 weights: every call on the packed copy (csrc/f32_chain.cpp), oneDNN's bits
+        self.all_rows = not reorder and w.dtype == torch.float32 and _few_rows_exact(self.k, w.dtype)
+        few = (few_rows or self.all_rows) and _few_rows_exact(self.k, w.dtype)  # False for a dtype without the kernel
         self.few_rows = _few_rows_pack(w) if few else None
         self.k_chunk = onednn_k_chunk(self.k) if few else None
         if self.n < MIN_N:
@@ -218,6 +224,8 @@ def _gemm(x2: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     if (pw.gemm, pw.bf16_gemm) != (GEMM, bf16_gemm()):
         raise RuntimeError("PackedWeight was made under another GEMM choice; pack it again")
     m = x2.shape[0]
+    if pw.all_rows:
+        return _ops().chain_f32(x2, pw.few_rows, pw.n, pw.k_chunk)
     if pw.few_rows is not None and 0 < m <= FEW_ROWS:
         return _few_rows_call(x2, pw.few_rows, pw.n, pw.k_chunk)
     pad = (-m) % ROW_MULTIPLE if m else ROW_MULTIPLE
@@ -238,24 +246,18 @@ def _invariant_mm(x2: torch.Tensor, weight) -> torch.Tensor:
     return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
 
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    """t [R, C]^T as a new contiguous tensor: the compiled copy (kernels/csrc/transpose.cpp),
-    several times faster than ATen's strided copy at power-of-two widths."""
-    if t.dim() == 2 and t.element_size() in (2, 4) and (t.stride(1) == 1 or t.shape[1] <= 1):
-        return _ops().transposed(t)
-    return t.t().contiguous()
-
-
 def grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """grad [M, N] @ weight [N, K] -> [M, K] in grad's dtype, each row's bits independent of M.
     bf16: the weight gradient's FMA-chain GEMM (kernels/csrc/weight_grad.cpp) on grad read as a
     transposed view, one fp32 chain over N per output: 1.3-1.9x faster than oneDNN's bf16 GEMM
     with the transposed weight's copy and reorder (Intel Xeon, M 256-2048), and the same bits
-    on every CPU kind. fp32: `linear`'s GEMM on the transposed weight (rows padded the same
-    way), which oneDNN runs 1.1x faster than the chain at M = 2048 there."""
+    on every CPU kind. fp32: the fp32 chain GEMM (kernels/csrc/f32_chain.cpp) on the weight's
+    column blocks, one chain over N per output (no transposed weight): 0.92-0.97x the time of
+    oneDNN's GEMM on the transposed weight at SmolLM2's shapes (M 2048, Intel Xeon), the same
+    bits on every CPU kind."""
     if grad.dtype == torch.bfloat16:
         return _ops().weight_grad(grad.t(), weight.to(grad.dtype)).to(grad.dtype)
-    return _invariant_mm(grad, _transposed(weight.to(grad.dtype)))
+    return _ops().chain_f32_plain(grad, weight.to(grad.dtype))
 
 
 def grad_weight(grad: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
