@@ -207,21 +207,55 @@ void chain(const float* x, int64_t ldx, int64_t M, int64_t K, WView w, int64_t N
   });
 }
 
+#if defined(__AVX512F__)
+// dst[16 rows of 16] = the transpose of 16 rows of 16 at src (row stride lds)
+inline void transpose16(const float* src, int64_t lds, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * 16, r[i]);
+}
+#endif
+
 at::Tensor pack(const at::Tensor& w_in) {
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat, "few_rows_f32_pack: a 2D float32 weight");
   const at::Tensor w = w_in.contiguous();
   const int64_t N = w.size(0), K = w.size(1), nb = (N + NB - 1) / NB;
-  at::Tensor p = at::zeros({nb, K, NB}, w.options());
+  at::Tensor p = at::empty({nb, K, NB}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = p.data_ptr<float>();
-  // k-major: the block's rows read side by side, the packed block written in order
+  // k-major: the block's rows read side by side, the packed block written in order (a copy, no
+  // arithmetic; per call in the trainer, so whole 16 x 16 squares go through registers)
   at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t cols = std::min(NB, N - b * NB);
       const float* rows = src + b * NB * K;
       float* out = dst + b * K * NB;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t c = 0; c < cols; ++c) out[k * NB + c] = rows[c * K + k];
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      if (cols == NB)
+        for (; k + 16 <= K; k += 16) transpose16(rows + k, K, out + k * NB);
+#endif
+      for (; k < K; ++k)
+        for (int64_t c = 0; c < NB; ++c) out[k * NB + c] = c < cols ? rows[c * K + k] : 0.0f;
     }
   });
   return p;
