@@ -31,6 +31,8 @@
 #include <cstring>
 #include <string>
 
+#include "fp32_vec.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -40,46 +42,17 @@ namespace {
 
 constexpr int64_t NB = 16;  // columns per block
 
+using namespace fp32v;
 #if defined(__AVX512F__)
-using vec = __m512;
-constexpr int VW = 16;
 constexpr int TR = 6, TG = 4;  // main tile: 6 rows x 4 blocks = 24 accumulators (+4 loads, 1 broadcast)
 // blocks per tile for fewer rows (the rows left over, decode's 1-4): at least 8 independent chains
 constexpr int tail_g(int r) { return r == 1 ? 8 : 4; }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vzero() { return _mm512_setzero_ps(); }
 #elif defined(__AVX2__) && defined(__FMA__)
-using vec = __m256;
-constexpr int VW = 8;
 constexpr int TR = 6, TG = 1;  // 6 rows x 1 block (2 vectors) = 12 accumulators of AVX2's 16 registers
 constexpr int tail_g(int r) { return r == 1 ? 4 : r == 2 ? 2 : 1; }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vzero() { return _mm256_setzero_ps(); }
 #else
-struct vec { float v[8]; };
-constexpr int VW = 8;
 constexpr int TR = 4, TG = 1;
 constexpr int tail_g(int) { return 1; }
-inline vec vload(const float* p) { vec r; std::memcpy(r.v, p, sizeof r.v); return r; }
-inline void vstore(float* p, vec v) { std::memcpy(p, v.v, sizeof v.v); }
-inline vec vbcast(const float* p) { vec r; for (float& x : r.v) x = *p; return r; }
-inline vec vfma(vec a, vec b, vec c) {
-  for (int i = 0; i < 8; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
-  return c;
-}
-inline vec vadd(vec a, vec b) {
-  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
-  return a;
-}
-inline vec vzero() { return vec{}; }
 #endif
 constexpr int VB = NB / VW;  // vectors per block
 

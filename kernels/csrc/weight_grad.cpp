@@ -11,6 +11,7 @@
 // (AVX-512, AVX2 and the scalar loop run the same FMAs), at any thread count and for any
 // slice of N or K: a row of grad @ W has the same bits whatever rows share the call.
 #include "common.h"
+#include "fp32_vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,43 +25,16 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-
 namespace titan_rl {
 namespace {
 
+using namespace fp32v;
 #if defined(__AVX512F__)
-using vec = __m512;
-constexpr int VW = 16;
 constexpr int NR = 12;  // output rows per micro-tile: 24 accumulators + 2 loads + 1 broadcast
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vzero() { return _mm512_setzero_ps(); }
 #elif defined(__AVX2__) && defined(__FMA__)
-using vec = __m256;
-constexpr int VW = 8;
 constexpr int NR = 6;  // 12 accumulators + 2 loads + 1 broadcast of AVX2's 16 registers
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vzero() { return _mm256_setzero_ps(); }
 #else
-struct vec { float v[8]; };
-constexpr int VW = 8;
 constexpr int NR = 4;
-inline vec vload(const float* p) { vec r; std::memcpy(r.v, p, sizeof r.v); return r; }
-inline void vstore(float* p, vec v) { std::memcpy(p, v.v, sizeof v.v); }
-inline vec vbcast(const float* p) { vec r; for (float& x : r.v) x = *p; return r; }
-inline vec vfma(vec a, vec b, vec c) {
-  for (int i = 0; i < 8; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
-  return c;
-}
-inline vec vzero() { return vec{}; }
 #endif
 
 constexpr int KR = 2 * VW;   // output columns per micro-tile
