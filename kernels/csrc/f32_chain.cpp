@@ -4,8 +4,9 @@
 // in chunks whose sums are added in order (kernels/matmul/torch_impl.py reads the chunks off its
 // outputs and checks this kernel against it for each K before using it). This file computes
 // exactly that, given the chunk:
-//   * `chain_f32` (any row count) on a weight packed once (`few_rows_f32_pack`): the trainer's and
-//     the engine's forward, 0.9-1.0x oneDNN's time at the trainer's shapes (its own blocking below);
+//   * `chain_f32` (any row count) on a packed weight (`few_rows_f32_pack`): the trainer's fp32
+//     forward, packed per call, 0.9-1.0x oneDNN's time at the trainer's shapes (its own blocking
+//     below); the engine keeps oneDNN at 5+ rows, with the same bits;
 //   * `few_rows_f32` (1-4 rows, the engine's decode): the weight streams once, where oneDNN pads to
 //     8 rows and computes 8 rows' products to keep 1;
 //   * `chain_f32_plain`: x [M, N] @ w [N, K] for w as it lies (the input gradient grad @ W of a
