@@ -182,9 +182,10 @@ def _few_rows_exact(k: int, dtype: torch.dtype) -> bool:
 
 class PackedWeight:
     """A [N, K] weight prepared for the GEMM: in the GEMM dtype, N padded to MIN_N, and
-    (GEMM = "onednn", `reorder`) reordered into oneDNN's layout; `few_rows`: the few-rows
-    kernel's packed copy for calls of 1..FEW_ROWS rows (engine weights where
-    `_few_rows_exact`), else None. Opaque: only `linear` reads it.
+    (GEMM = "onednn", `reorder`) reordered into oneDNN's layout; `few_rows`: the chain kernel's
+    packed copy (where `_few_rows_exact`), read by calls of 1..FEW_ROWS rows (engine weights)
+    or, `all_rows`, by every call (the trainer's fp32 weights), else None. Opaque: only
+    `linear` reads it.
 
     `reorder=False` (the trainer's per-call weights): oneDNN's GEMM takes the plain weight and
     reorders it inside the call, with the same bits (plain == reordered at M 8..136, 512, 2048,
@@ -199,11 +200,12 @@ class PackedWeight:
         w = weight.detach().to(gemm_dtype(weight.dtype)).contiguous()
         self.n, self.k = w.shape
         # the trainer's fp32 weights: every call on the packed copy (csrc/f32_chain.cpp), oneDNN's bits
-        self.all_rows = not reorder and w.dtype == torch.float32 and _few_rows_exact(self.k, w.dtype)
-        few = (few_rows or self.all_rows) and _few_rows_exact(self.k, w.dtype)  # False for a dtype without the kernel
-        self.few_rows = _few_rows_pack(w) if few else None
-        self.k_chunk = onednn_k_chunk(self.k) if few else None
-        if self.n < MIN_N:
+        fp32_trainer = not reorder and w.dtype == torch.float32
+        packed = (few_rows or fp32_trainer) and _few_rows_exact(self.k, w.dtype)  # False for a dtype without the kernel
+        self.all_rows = fp32_trainer and packed
+        self.few_rows = _few_rows_pack(w) if packed else None
+        self.k_chunk = onednn_k_chunk(self.k) if packed else None
+        if self.n < MIN_N and not self.all_rows:  # the packed copy pads its own last block
             w = torch.cat([w, w.new_zeros(MIN_N - self.n, self.k)])
         self.gemm, self.bf16_gemm = GEMM, bf16_gemm()
         self.data = torch.ops.mkldnn._reorder_linear_weight(w, None) if GEMM == "onednn" and reorder else w
