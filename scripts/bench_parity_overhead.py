@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -54,24 +55,40 @@ def gemm_peak_gflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) ->
     return 2 * n**3 * k / (time.perf_counter() - t) / 1e9
 
 
-def forward_flops(cfg, lengths) -> float:
-    """FLOPs of a forward over sequences of the given lengths: 2 per weight per token
-    (decoder linears + LM head) plus causal attention (4 * position * heads * head_dim
-    per token and layer)."""
-    e, i, h, hkv, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    per_layer = e * (h * d) * 2 + e * (hkv * d) * 2 + 3 * e * i
-    dense = 2 * (cfg.num_hidden_layers * per_layer + e * cfg.vocab_size)
-    total = 0.0
-    for n in lengths:
-        total += n * dense + cfg.num_hidden_layers * 4 * h * d * n * (n + 1) / 2
-    return total
+def flop_counter(model):
+    """lengths -> FLOPs of a forward over sequences of those lengths (numbers only: the model
+    can go): 2 per weight a token multiplies
+    (every 2-D weight but the embedding, the LM head counted once even when tied; a routed
+    expert's weights x num_experts_per_tok / num_experts) plus causal attention in the
+    full-attention layers (4 * position * heads * head_dim per token and layer) and, in a
+    hybrid's GDN layers, 6 * value heads * dk * dv per token (the state's decay, update and read:
+    the recurrent form's count)."""
+    cfg = model.cfg
+    weights = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() != 2 or "embed_tokens" in name:
+            continue
+        share = cfg.num_experts_per_tok / cfg.num_experts if ".experts." in name else 1.0
+        weights += p.numel() * share
+    if cfg.tie_word_embeddings:
+        weights += cfg.vocab_size * cfg.hidden_size
+    layers = range(cfg.num_hidden_layers)
+    full = [i for i in layers if not hasattr(cfg, "is_full_attention") or cfg.is_full_attention(i)]
+    gdn = cfg.num_hidden_layers - len(full)
+    attn = len(full) * 4 * cfg.num_attention_heads * cfg.head_dim
+    rec = gdn * 6 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim if gdn else 0
+    return lambda lengths: sum(n * (2 * weights + rec) + attn * n * (n + 1) / 2 for n in lengths)
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    """KV cache bytes a token takes in the full-attention layers (a hybrid's GDN layers keep a
+    state per sequence instead, a few MiB: the cache's floor of 512 MiB covers them)."""
+    layers = range(cfg.num_hidden_layers)
+    full = sum(1 for i in layers if not hasattr(cfg, "is_full_attention") or cfg.is_full_attention(i))
+    return 2 * full * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
-def bench_rollout(folder, cfg, arch, args):
+def bench_rollout(folder, cfg, arch, args, flops):
     from vllm import SamplingParams
 
     from titan_rl.vllm.engine import EngineSettings, make_llm
@@ -115,7 +132,7 @@ def bench_rollout(folder, cfg, arch, args):
         out[e] = {"seconds": best, "tokens_per_s": args.prompts * args.max_tokens / best}
     faster_stock(out)
     # every prompt token and every generated token but the last goes through the model once
-    out["flops"] = forward_flops(cfg, [len(p["prompt_token_ids"]) + args.max_tokens - 1 for p in prompts])
+    out["flops"] = flops([len(p["prompt_token_ids"]) + args.max_tokens - 1 for p in prompts])
     out["prompt_tokens"] = sum(lengths)
     return out
 
@@ -165,6 +182,9 @@ def bench_train(models, args):
     tokens = torch.randint(0, models["exact"].cfg.vocab_size, (args.train_batch, args.train_len))
     models = {"exact": models["exact"], "stock_eager": models["stock"]}
     if args.compiled_stock:
+        # a hybrid's GDN reads its sequence starts as Python ints: graph breaks dynamo reports
+        # at length (the compiled column is timed as it is, breaks included)
+        torch._logging.set_logs(dynamo=logging.ERROR)
         models["stock_compiled"] = torch.compile(models["stock_eager"])
     times = {e: [] for e in models}
 
@@ -184,7 +204,7 @@ def bench_train(models, args):
     n = tokens.numel()
     out = {e: {"seconds": min(times[e]), "tokens_per_s": n / min(times[e])} for e in models}
     faster_stock(out)
-    out["flops"] = 3 * forward_flops(models["exact"].cfg, [args.train_len] * args.train_batch)  # fwd + 2x bwd
+    out["flops"] = 3 * flop_counter(models["exact"])([args.train_len] * args.train_batch)  # fwd + 2x bwd
     return out
 
 
@@ -217,7 +237,7 @@ def main(argv=None):
            "checkpoint": args.checkpoint, "prompt_len": args.prompt_len or "8..200", "dtype": args.dtype,
            "threads": torch.get_num_threads(), "sampler": "shared" if args.shared_sampler else "own"}
     models = build_pair(args)
-    cfg, arch = models["exact"].cfg, _arch_name(models["exact"])
+    cfg, arch, flops = models["exact"].cfg, _arch_name(models["exact"]), flop_counter(models["exact"])
     res["params"] = sum(p.numel() for p in models["exact"].parameters())
     if not args.skip_train:
         res["train"] = bench_train(models, args)
@@ -230,7 +250,7 @@ def main(argv=None):
                 save_hf_folder(models["exact"], d, dtype=getattr(torch, args.dtype))
                 folder = d
             del models
-            res["rollout"] = bench_rollout(folder, cfg, arch, args)
+            res["rollout"] = bench_rollout(folder, cfg, arch, args, flops)
         slowdowns(res, "rollout")
         res["stock_config"] = res["rollout"]["stock_config"]
     # The physical limit: every FLOP at the platform's measured GEMM peak in the dtype the

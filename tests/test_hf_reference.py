@@ -5,6 +5,7 @@ round trip) to the reference implementation; it does not test bitwise identity (
 are different code), only closeness at fp32.
 """
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -67,3 +68,27 @@ def test_logits_match_transformers(folder, kernels, rng):
         assert diff <= ATOL, f"kernels={kernels} L={L}: max abs diff {diff:.3g} > {ATOL}"
         # and it is not trivially close: the logits carry signal well above the tolerance
         assert b.std().item() > 1000 * ATOL
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "glm_moe_dsa"])
+def test_the_published_widths_are_taken_as_they_are(arch, tmp_path):
+    """`hf_reference --published` (the benchmarks' real-size folders): transformers' config at
+    the smallest published model's widths reads into our config unchanged (no width refused,
+    none rounded), without building the model."""
+    from titan_rl.hf_reference import PUBLISHED, PUBLISHED_TIED, classes
+    from titan_rl.registry import architecture_of_folder
+
+    config_cls, model_cls, _ = classes(arch)
+    d = config_cls(**PUBLISHED[arch], tie_word_embeddings=PUBLISHED_TIED[arch]).to_dict()
+    d["architectures"] = [model_cls.__name__]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    spec = architecture_of_folder(str(tmp_path))
+    ours = spec.config_from_hf(d)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "tie_word_embeddings"):
+        assert getattr(ours, key) == d[key], key
+    if arch == "qwen3_5":  # Qwen3.5-0.8B
+        assert (ours.hidden_size, ours.num_hidden_layers, ours.vocab_size, ours.head_dim) == (1024, 24, 248320, 256)
+        assert ours.layer_types.count("full_attention") == 6
+        assert (ours.linear_num_value_heads, ours.linear_key_head_dim, ours.linear_value_head_dim) == (16, 128, 128)
+    else:  # GLM-5
+        assert (ours.hidden_size, ours.num_hidden_layers, ours.index_topk, ours.kv_lora_rank) == (6144, 78, 2048, 512)

@@ -4,6 +4,7 @@ without a hub.
 
     python -m titan_rl.hf_reference --arch qwen3_5 --out /tmp/q35 [--stock-shapes] [--seed 0]
     python -m titan_rl.hf_reference --arch glm_moe_dsa --out /tmp/glm5
+    python -m titan_rl.hf_reference --arch qwen3_5 --published --out /tmp/q35-0.8b   # real widths
 
 Odd sizes by default (hidden 200, vocab 997, 3 value heads per key head, GDN head dims 32 / 16,
 a conv of width 3, 5 experts of 72, a shared expert of 88). `--stock-shapes` keeps the odd
@@ -14,7 +15,11 @@ the MoE models hidden 224 (a multiple of 32)."""
 import argparse
 import sys
 
-import torch
+from titan_rl import quiet
+
+quiet.install()  # before torch and transformers load (torchao's CPU notices, shard progress bars)
+
+import torch  # noqa: E402
 
 ODD = dict(vocab_size=997, hidden_size=200, intermediate_size=328, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
@@ -33,6 +38,18 @@ GLM = dict(vocab_size=997, hidden_size=200, intermediate_size=328, moe_intermedi
 # Llama (SmolLM2's shape family): odd widths, 6 heads over 2 KV heads, head_dim 32 apart from hidden / heads (35)
 LLAMA = dict(vocab_size=997, hidden_size=210, intermediate_size=328, num_hidden_layers=4, num_attention_heads=6,
              num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=100_000.0, max_position_embeddings=4096)
+# The smallest published model's widths (random weights: the benchmarks' real-size folders).
+# Qwen3.5-0.8B's text model; GLM-5's are transformers' GlmMoeDsaConfig defaults (744B: cut with
+# `layers`, its first three layers are dense).
+PUBLISHED = {
+    "qwen3_5": dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_conv_kernel_dim=4, full_attention_interval=4, partial_rotary_factor=0.25,
+                    rope_theta=10_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=262144),
+    "glm_moe_dsa": {},
+}
+PUBLISHED_TIED = {"qwen3_5": True, "glm_moe_dsa": False}
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the real hybrids (tests and scripts iterate them)
 ALL_ARCHS = (*ARCHS, "glm_moe_dsa", "llama")
 
@@ -63,12 +80,18 @@ def classes(arch: str):
 
 
 def hf_model(arch: str, seed: int, *, tied: bool = False, stock_shapes: bool = False, scale: float = 0.02,
-             **fields):
-    """transformers' model for `arch` at the tiny sizes, its weights moved off their init
-    by N(0, scale) noise (transformers inits routers and norm weights to zero: unmoved,
-    every token would route alike and a (1 + w) norm would read the same as w)."""
+             published: bool = False, **fields):
+    """transformers' model for `arch` at the tiny sizes (`published`: the smallest published
+    model's widths, PUBLISHED), its weights moved off their init by N(0, scale) noise
+    (transformers inits routers and norm weights to zero: unmoved, every token would route alike
+    and a (1 + w) norm would read the same as w)."""
     config_cls, model_cls, extra = classes(arch)
-    sizes = dict(GLM) if arch == "glm_moe_dsa" else dict(LLAMA) if arch == "llama" else {**ODD, **extra}
+    if published and arch not in PUBLISHED:
+        raise ValueError(f"--published: arch = {arch!r} has no published widths here; allowed: {list(PUBLISHED)}")
+    if published and stock_shapes:
+        raise ValueError("--published and --stock-shapes: the published widths are what they are; pass one")
+    sizes = (dict(PUBLISHED[arch]) if published else dict(GLM) if arch == "glm_moe_dsa"
+             else dict(LLAMA) if arch == "llama" else {**ODD, **extra})
     if stock_shapes and arch == "glm_moe_dsa":
         raise ValueError("--stock-shapes: vLLM's CPU build has no sparse-attention backend for glm_moe_dsa at any "
                          "shape (its stock column is transformers' own pair)")
@@ -126,13 +149,32 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", required=True, choices=ALL_ARCHS)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=0.2, help="std of the noise added to the init (default 0.2: "
-                    "logits with a std of a few units, so sampling is not uniform)")
+    ap.add_argument("--scale", type=float, default=None, help="std of the noise added to the init (default 0.2: "
+                    "logits with a std of a few units, so sampling is not uniform; 0.02 with --published)")
     ap.add_argument("--stock-shapes", action="store_true", help="shapes vLLM's own CPU ops take")
     ap.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
+    ap.add_argument("--published", action="store_true", help="the smallest published model's widths "
+                    f"({', '.join(PUBLISHED)}: Qwen3.5-0.8B's text model, GLM-5), random weights")
+    ap.add_argument("--layers", type=int, default=0, help="with --published: keep this many layers (0: all)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the saved tensors' dtype")
     args = ap.parse_args(argv)
-    hf_model(args.arch, args.seed, tied=args.tied, stock_shapes=args.stock_shapes, scale=args.scale) \
-        .save_pretrained(args.out)
+    if args.layers < 0 or (args.layers and not args.published):
+        ap.error(f"--layers {args.layers}: a count >= 0, with --published (the tiny folders set their own)")
+    if args.published and args.arch not in PUBLISHED:
+        ap.error(f"--published --arch {args.arch}: no published widths here; allowed: {list(PUBLISHED)}")
+    if args.published and args.stock_shapes:
+        ap.error("--published with --stock-shapes: the published widths are what they are; pass one")
+    if args.published and args.arch == "glm_moe_dsa" and not args.layers:
+        ap.error("--published --arch glm_moe_dsa: GLM-5 is 744B parameters; pass --layers N (1-3 are its dense "
+                 "layers, ~2.3B parameters with the embedding and head)")
+    fields = {"num_hidden_layers": args.layers} if args.layers else {}
+    if args.published and args.arch == "glm_moe_dsa" and args.layers and args.layers < 3:
+        fields["first_k_dense_replace"] = args.layers  # all dense: GLM-5's first three layers
+    tied = args.tied or (args.published and PUBLISHED_TIED[args.arch])
+    scale = args.scale if args.scale is not None else 0.02 if args.published else 0.2
+    model = hf_model(args.arch, args.seed, tied=tied, stock_shapes=args.stock_shapes, scale=scale,
+                     published=args.published, **fields)
+    model.to(getattr(torch, args.dtype)).save_pretrained(args.out)
     print(f"wrote {args.out} ({classes(args.arch)[1].__name__})")
     return 0
 
