@@ -230,6 +230,30 @@ def test_gdn_threads_one_vs_two(dtype, rng):
     assert _eq(o1, o2) and _eq(s1, s2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_compiled_step_is_the_torch_forms_bits(dtype, rng):
+    """csrc/gdn_recurrent.cpp (what gdn_recurrent runs on CPU with an fp32 state) against the
+    torch form it is pinned to (`_recurrent_forward_torch`), torch.equal: odd widths (dk 7 and
+    24, padded to 8 and 32; dv 20 and 33, not whole vectors), 3 value heads per key head,
+    sequences of length 0, with and without an initial state, at 1 and 2 threads."""
+    from titan_rl.kernels.cpu_ext import ops
+    from titan_rl.kernels.gdn import torch_impl
+
+    for lens, Hk, Hv, dk, dv in [([5, 0, 17, 3], 2, 6, 24, 20), ([1, 1, 1, 1], 1, 3, 7, 33), ([40, 9], 2, 2, 16, 16)]:
+        q, k, v, g, beta, cu, s0 = _gdn_inputs(rng, lens, Hk, Hv, dk, dv, dtype)
+        scale = dk ** -0.5
+        for init in (s0, None):
+            want_o, want_s = torch_impl._recurrent_forward_torch(q, k, v, g, beta, cu, init, scale)
+            for n in (1, 2):
+                with threads(n):
+                    o, s = torch_impl._recurrent_forward(q, k, v, g, beta, cu, init, scale)
+                    raw_o, raw_s = ops().gdn_recurrent_f32(
+                        *(x.float().contiguous() for x in (q, k, v, lane_stable(torch.exp, g.float()), beta)), cu,
+                        torch.empty(0) if init is None else init, scale)
+                assert _eq(o, want_o) and _eq(s, want_s), (lens, dk, dv, n, init is None)
+                assert _eq(raw_o.to(dtype), want_o) and _eq(raw_s, want_s), (lens, dk, dv, n, init is None)
+
+
 def test_gdn_recurrent_autograd_path_has_the_same_forward_bits(rng):
     q, k, v, g, beta, cu, s0 = _gdn_inputs(rng, [6, 11])
     o, s = gdn_recurrent(q, k, v, g, beta, cu, s0)

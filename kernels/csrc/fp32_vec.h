@@ -1,6 +1,7 @@
-// The fp32 vector the FMA-chain GEMMs (f32_chain.cpp, weight_grad.cpp) are written in: AVX-512
-// (16 lanes), AVX2 + FMA (8) or a scalar loop (8). Lanes are independent and each vfma is one
-// correctly rounded fused multiply-add per lane, so the width never changes a lane's bits.
+// The fp32 vector the FMA-chain GEMMs (f32_chain.cpp, weight_grad.cpp) and the GDN step
+// (gdn_recurrent.cpp) are written in: AVX-512 (16 lanes), AVX2 + FMA (8) or a scalar loop (8).
+// Lanes are independent and each operation is one correctly rounded IEEE operation per lane (vfma
+// a fused multiply-add), so the width never changes a lane's bits.
 #pragma once
 
 #include <cstring>
@@ -20,6 +21,8 @@ inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vzero() { return _mm512_setzero_ps(); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using vec = __m256;
@@ -29,6 +32,8 @@ inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vzero() { return _mm256_setzero_ps(); }
 #else
 struct vec { float v[8]; };
@@ -42,6 +47,14 @@ inline vec vfma(vec a, vec b, vec c) {
 }
 inline vec vadd(vec a, vec b) {
   for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline vec vsub(vec a, vec b) {
+  for (int i = 0; i < 8; ++i) a.v[i] -= b.v[i];
+  return a;
+}
+inline vec vmul(vec a, vec b) {
+  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
   return a;
 }
 inline vec vzero() { return vec{}; }

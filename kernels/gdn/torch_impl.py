@@ -30,7 +30,11 @@ cut into calls. Why each piece is invariant (docs/gdn.md):
   * Sequences of different lengths are padded to [N, Lmax] and advanced together; once a
     sequence has ended its state is kept by torch.where (an exact select), so its bits
     never depend on its neighbours or on Lmax.
-  * Vectorised over sequences and heads; the only Python loop is over time steps.
+  * On CPU with an fp32 state the step runs compiled (csrc/gdn_recurrent.cpp): the same
+    operations in the same order, one (sequence, head) pair at a time with its state in
+    cache (the torch form below passes over every pair's state ~25 times a token). The torch
+    form, vectorised over sequences and heads with a Python loop over time steps, is the
+    definition the compiled one is pinned to, and runs fp64 and non-CPU tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_rl.kernels import cpu_ext
 from titan_rl.kernels.gdn.chunked import gdn_chunked
 from titan_rl.kernels.gdn.inputs import check_shapes, compute_dtype, sequence_lengths
 from titan_rl.kernels.reduction import broadcast_rows
@@ -122,6 +127,29 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    """The compiled step (csrc/gdn_recurrent.cpp) where the state is fp32 on CPU, else the torch
+    form: the same operations in the same order, so the same bits (tests/test_gdn_kernels.py)."""
+    if v.device.type != "cpu" or compute_dtype(v) != torch.float32:
+        return _recurrent_forward_torch(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+    check_shapes(q, k, v, g, beta)
+    T, Hv, dv = v.shape
+    cu, lens_l = sequence_lengths(cu_seqlens, T)
+    N, dk = len(lens_l), q.shape[2]
+    if initial_state is not None and initial_state.shape != (N, Hv, dk, dv):
+        raise ValueError(f"initial_state must be {(N, Hv, dk, dv)}, got {tuple(initial_state.shape)}")
+    init = torch.empty(0) if initial_state is None else initial_state.float().contiguous()  # read, never written
+    if T == 0:
+        return v.new_empty(T, Hv, dv), (init.clone() if initial_state is not None else torch.zeros(N, Hv, dk, dv))
+    a = lane_stable(torch.exp, g.float())  # ONCE, before the loop (see module docstring)
+    f32 = [x.float().contiguous() for x in (q, k, v, beta)]
+    o, final = cpu_ext.ops().gdn_recurrent_f32(f32[0], f32[1], f32[2], a.contiguous(), f32[3], cu.long(), init,
+                                                float(scale))
+    return o.to(v.dtype), final
+
+
+def _recurrent_forward_torch(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    """The definition in torch ops: one time step for all sequences and heads at once (the form
+    for fp64 and non-CPU tensors, and the reference the compiled step is pinned to)."""
     check_shapes(q, k, v, g, beta)
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
