@@ -82,7 +82,10 @@ def lane_stable(fn, x: torch.Tensor) -> torch.Tensor:
     pad = (-n) % PIECE
     if pad:
         flat = F.pad(flat, (0, pad))
-    outs = [fn(flat[i:i + PIECE]) for i in range(0, flat.numel(), PIECE)]
+    # split, not slices: the same pieces, but one backward that concatenates their gradients (a
+    # slice's backward fills a zero tensor of the whole size per piece, and autograd adds them up:
+    # quadratic in the length, 6 s of a 23 s Qwen3.5-0.8B step at 256 tokens)
+    outs = [fn(p) for p in flat.split(PIECE)]
     y = torch.cat(outs) if len(outs) > 1 else outs[0]
     return y[:n].reshape(-1, width)[:, :last].reshape(shape)
 

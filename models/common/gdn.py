@@ -133,8 +133,16 @@ def carried_states(conv_cache: torch.Tensor, rec_cache: torch.Tensor, rows: torc
     leftovers); (None, None), the kernels' own zero start, when no sequence has context."""
     if not bool(has_context.any()):
         return None, None
+    # whole rows by index_select (a row copy each; advanced indexing gathers element by element),
+    # rows < 0 wrapping as indexing does; zeros put in only where some row has no context (a
+    # decode step has context everywhere): 3 of a Qwen3.5-0.8B decode step's 4.7 passes over the
+    # recurrent state went to the gather and the select
+    rows = rows.remainder(rec_cache.shape[0])
+    conv, rec = conv_cache.index_select(0, rows), rec_cache.index_select(0, rows)
+    if bool(has_context.all()):
+        return conv, rec
     keep = has_context.view(-1, 1, 1)
-    return torch.where(keep, conv_cache[rows], 0.0), torch.where(keep.unsqueeze(-1), rec_cache[rows], 0.0)
+    return torch.where(keep, conv, 0.0), torch.where(keep.unsqueeze(-1), rec, 0.0)
 
 
 class FreshState:

@@ -100,6 +100,10 @@ class VllmLinearState:
         idx, _ = self._rows[layer_idx]
         conv_cache, rec_cache = self.layers[layer_idx].kv_cache
         ok = idx >= 0  # PAD_SLOT_ID rows have no page
+        if bool(ok.all()):  # whole rows, one copy each (no masked copy of the states first)
+            conv_cache.index_copy_(0, idx, conv_state.to(conv_cache.dtype))
+            rec_cache.index_copy_(0, idx, rec_state.to(rec_cache.dtype))
+            return
         conv_cache[idx[ok]] = conv_state[ok].to(conv_cache.dtype)
         rec_cache[idx[ok]] = rec_state[ok].to(rec_cache.dtype)
 
