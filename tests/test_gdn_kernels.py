@@ -254,6 +254,55 @@ def test_the_compiled_step_is_the_torch_forms_bits(dtype, rng):
                 assert _eq(raw_o.to(dtype), want_o) and _eq(raw_s, want_s), (lens, dk, dv, n, init is None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_states_in_cache_rows_are_the_gathered_states_bits(dtype, rng):
+    """A CacheRows initial state (an engine's cache, updated in place by the compiled step; the
+    other forms gather, run and store) against the same states passed as a tensor, torch.equal:
+    o, every written row, and every other row untouched. Rows lie a stride apart that is not the
+    row's size, in shuffled order; some sequences have no context (their row holds a stranger's
+    leftovers, which must be ignored), some have length 0; odd widths; 1 and 2 threads."""
+    from titan_rl.kernels.gdn import CacheRows
+    from titan_rl.kernels.gdn import torch_impl
+
+    for lens, Hk, Hv, dk, dv in [([5, 0, 17, 3], 2, 6, 24, 20), ([1, 1, 1, 1, 1], 1, 3, 7, 33), ([40, 9], 2, 2, 16, 16)]:
+        q, k, v, g, beta, cu, _ = _gdn_inputs(rng, lens, Hk, Hv, dk, dv, dtype)
+        N, R = len(lens), 2 * len(lens) + 3
+        buf = torch.randn(R, Hv * dk * dv + 5, generator=rng)  # a row's stride is not its size
+        rows = torch.randperm(R, generator=rng)[:N]
+        has_context = torch.rand(N, generator=rng) < 0.6
+        has_context[0] = True
+        for form in (gdn_recurrent, gdn_chunked):
+            cache = buf.clone()[:, :Hv * dk * dv].view(R, Hv, dk, dv)
+            before = cache.clone()
+            init = torch.where(has_context.view(-1, 1, 1, 1), before[rows], 0.0)
+            want_o, want_s = form(q, k, v, g, beta, cu, init)
+            for n in (1, 2):
+                cache.copy_(before)
+                with threads(n):
+                    o, got = form(q, k, v, g, beta, cu, CacheRows(cache, rows, has_context))
+                assert isinstance(got, CacheRows) and _eq(o, want_o), (lens, form.__name__, n)
+                assert _eq(cache[rows], want_s), (lens, form.__name__, n)
+                others = torch.ones(R, dtype=torch.bool)
+                others[rows] = False
+                assert _eq(cache[others], before[others]), (lens, form.__name__, n)
+        # the in-place step is what the CPU fp32 path takes (the other forms gather and store)
+        assert torch_impl._in_place(v, CacheRows(cache, rows, has_context))
+
+
+def test_states_in_cache_rows_refuse_what_they_cannot_be(rng):
+    from titan_rl.kernels.gdn import CacheRows
+
+    cache = torch.zeros(4, 2, 8, 8)
+    with pytest.raises(ValueError, match="distinct rows of the cache"):
+        CacheRows(cache, torch.tensor([1, 1]), torch.tensor([True, True]))
+    with pytest.raises(ValueError, match="distinct rows of the cache"):
+        CacheRows(cache, torch.tensor([0, 4]), torch.tensor([True, True]))
+    q, k, v, g, beta, cu, _ = _gdn_inputs(rng, [3, 2], 1, 2, 8, 8)
+    with pytest.raises(ValueError, match="not a differentiable input"):
+        gdn_recurrent(q.requires_grad_(), k, v, g, beta, cu, CacheRows(cache, torch.tensor([0, 2]),
+                                                                       torch.tensor([True, False])))
+
+
 def test_gdn_recurrent_autograd_path_has_the_same_forward_bits(rng):
     q, k, v, g, beta, cu, s0 = _gdn_inputs(rng, [6, 11])
     o, s = gdn_recurrent(q, k, v, g, beta, cu, s0)

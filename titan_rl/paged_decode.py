@@ -31,7 +31,7 @@ import math
 import torch
 
 from titan_rl.kernels import attention_paged, kv_cache_write
-from titan_rl.models.common.gdn import carried_states
+from titan_rl.models.common.gdn import carried_states, store_states
 from titan_rl.registry import architecture_of
 
 
@@ -68,9 +68,7 @@ class _CarriedState:
         if layer_idx not in self.caches:
             self.caches[layer_idx] = tuple(torch.full((self.B, *s), float("nan"), dtype=torch.float32,
                                                       device=self.dev) for s in self.shapes)
-        conv, rec = self.caches[layer_idx]
-        conv[self.seqs] = conv_state.to(torch.float32)
-        rec[self.seqs] = rec_state.to(torch.float32)
+        store_states(*self.caches[layer_idx], self.seqs, conv_state, rec_state)
 
 
 class _PagedLatents:

@@ -97,56 +97,107 @@ void run_pair(const float* q, const float* k, const float* v, const float* a, co
   }
 }
 
-// q, k [T, Hk, dk], v [T, Hv, dv], a (the decay, exp(g) already), beta [T, Hv]: fp32, contiguous.
-// cu [N + 1] int64 rising from 0 to T. initial [N, Hv, dk, dv] fp32, or an empty tensor for zeros
-// (read only). Returns (o [T, Hv, dv], the final state [N, Hv, dk, dv]), fp32.
-std::tuple<at::Tensor, at::Tensor> gdn_recurrent_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const at::Tensor& a, const at::Tensor& beta, const at::Tensor& cu,
-                                                     const at::Tensor& initial, double scale) {
-  const bool zeros = initial.numel() == 0;
-  for (const at::Tensor* t : {&q, &k, &v, &a, &beta, &initial})
+// The checks both entry points share: q, k [T, Hk, dk], v [T, Hv, dv], a (the decay, exp(g)
+// already), beta [T, Hv]: fp32, contiguous; cu [N + 1] int64 rising from 0 to T. Returns N.
+int64_t check_stream(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
+                     const at::Tensor& beta, const at::Tensor& cu) {
+  for (const at::Tensor* t : {&q, &k, &v, &a, &beta})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "gdn_recurrent_f32: contiguous fp32 inputs");
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "gdn_recurrent_f32: q, k [T, Hk, dk] and v [T, Hv, dv]");
-  const int64_t T = q.size(0), Hk = q.size(1), dk = q.size(2), Hv = v.size(1), dv = v.size(2);
+  const int64_t T = q.size(0), Hk = q.size(1), Hv = v.size(1);
   TORCH_CHECK(Hk > 0 && Hv % Hk == 0, "gdn_recurrent_f32: Hv a multiple of Hk");
   TORCH_CHECK(a.dim() == 2 && a.size(0) == T && a.size(1) == Hv && beta.sizes() == a.sizes(),
               "gdn_recurrent_f32: a, beta [T, Hv]");
-  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.scalar_type() == at::kLong,
-              "gdn_recurrent_f32: cu_seqlens int64 [N + 1]");
-  const at::Tensor cuc = cu.contiguous();
-  const int64_t N = cuc.size(0) - 1;
-  TORCH_CHECK(zeros || (initial.dim() == 4 && initial.size(0) == N && initial.size(1) == Hv && initial.size(2) == dk &&
-                        initial.size(3) == dv),
-              "gdn_recurrent_f32: initial state [N, Hv, dk, dv] or empty");
-  const int64_t* cp = cuc.data_ptr<int64_t>();
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.scalar_type() == at::kLong && cu.is_contiguous(),
+              "gdn_recurrent_f32: cu_seqlens contiguous int64 [N + 1]");
+  const int64_t N = cu.size(0) - 1;
+  const int64_t* cp = cu.data_ptr<int64_t>();
   TORCH_CHECK(cp[0] == 0 && cp[N] == T, "gdn_recurrent_f32: cu_seqlens from 0 to T");
   for (int64_t n = 0; n < N; ++n) TORCH_CHECK(cp[n + 1] >= cp[n], "gdn_recurrent_f32: cu_seqlens must not fall");
+  return N;
+}
+
+// Every pair of the stream; pair (n, hv) starts from s0(n) + hv * dk * dv (nullptr: zeros) and
+// ends in s1(n) + hv * dk * dv (nullptr: not kept). s0 and s1 may be the same memory: a strip is
+// read whole before any of it is written, and no two pairs share a state.
+template <class In, class Out>
+at::Tensor run_stream(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
+                      const at::Tensor& beta, const at::Tensor& cu, double scale, In s0, Out s1) {
+  const int64_t T = q.size(0), Hk = q.size(1), dk = q.size(2), Hv = v.size(1), dv = v.size(2), N = cu.size(0) - 1;
   int64_t dkp = 1;
   while (dkp < dk) dkp *= 2;
   at::Tensor o = at::empty({T, Hv, dv}, v.options());
-  at::Tensor fin = at::empty({N, Hv, dk, dv}, v.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const float* ap = a.data_ptr<float>();
   const float* bp = beta.data_ptr<float>();
-  const float* ip = zeros ? nullptr : initial.data_ptr<float>();
-  float* fp = fin.data_ptr<float>();
+  const int64_t* cp = cu.data_ptr<int64_t>();
   float* op = o.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t group = Hv / Hk;
   at::parallel_for(0, N * Hv, 1, [&](int64_t p0, int64_t p1) {
     std::vector<vec> Sb(dkp), P(dkp);
-    std::vector<float> kt(dkp), qt(dkp);
+    std::vector<float> kt(dkp), qt(dkp), sink(dk * dv);
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t n = pair / Hv, hv = pair % Hv;
+      const float* in = s0(n);
+      float* out = s1(n);
       run_pair(qp, kp, vp, ap, bp, cp[n], cp[n + 1], Hk, Hv, dk, dkp, dv, hv, hv / group, sc,
-               ip == nullptr ? nullptr : ip + pair * dk * dv, fp + pair * dk * dv, Sb.data(), P.data(), kt.data(),
-               qt.data(), op);
+               in == nullptr ? nullptr : in + hv * dk * dv, out == nullptr ? sink.data() : out + hv * dk * dv,
+               Sb.data(), P.data(), kt.data(), qt.data(), op);
     }
   });
+  return o;
+}
+
+// initial [N, Hv, dk, dv] fp32, or an empty tensor for zeros (read only). Returns (o [T, Hv, dv],
+// the final state [N, Hv, dk, dv]), fp32.
+std::tuple<at::Tensor, at::Tensor> gdn_recurrent_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& a, const at::Tensor& beta, const at::Tensor& cu,
+                                                     const at::Tensor& initial, double scale) {
+  const int64_t N = check_stream(q, k, v, a, beta, cu);
+  const int64_t Hv = v.size(1), dk = q.size(2), dv = v.size(2);
+  const bool zeros = initial.numel() == 0;
+  TORCH_CHECK(zeros || (initial.scalar_type() == at::kFloat && initial.is_contiguous() && initial.dim() == 4 &&
+                        initial.size(0) == N && initial.size(1) == Hv && initial.size(2) == dk && initial.size(3) == dv),
+              "gdn_recurrent_f32: initial state contiguous fp32 [N, Hv, dk, dv] or empty");
+  at::Tensor fin = at::empty({N, Hv, dk, dv}, v.options());
+  const float* ip = zeros ? nullptr : initial.data_ptr<float>();
+  float* fp = fin.data_ptr<float>();
+  const int64_t row = Hv * dk * dv;
+  at::Tensor o = run_stream(
+      q, k, v, a, beta, cu, scale, [&](int64_t n) -> const float* { return ip == nullptr ? nullptr : ip + n * row; },
+      [&](int64_t n) -> float* { return fp + n * row; });
   return {o, fin};
+}
+
+// The same step with the states in rows of a cache, updated in place (the engine's state cache:
+// no gather before the step and no scatter after). cache [R, Hv, dk, dv] fp32, each row contiguous
+// (rows may lie any stride apart); sequence n starts from row rows_in[n] (-1: zeros) and its final
+// state is written to row rows_out[n] (-1: not kept). Distinct sequences must not share a row
+// they write. Returns o [T, Hv, dv] fp32.
+at::Tensor gdn_recurrent_rows_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
+                                  const at::Tensor& beta, const at::Tensor& cu, const at::Tensor& cache,
+                                  const at::Tensor& rows_in, const at::Tensor& rows_out, double scale) {
+  const int64_t N = check_stream(q, k, v, a, beta, cu);
+  const int64_t Hv = v.size(1), dk = q.size(2), dv = v.size(2);
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 4 && cache.size(1) == Hv && cache.size(2) == dk &&
+                  cache.size(3) == dv && cache.stride(3) == 1 && cache.stride(2) == dv && cache.stride(1) == dk * dv,
+              "gdn_recurrent_rows_f32: cache fp32 [R, Hv, dk, dv], each row contiguous");
+  for (const at::Tensor* t : {&rows_in, &rows_out})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
+                "gdn_recurrent_rows_f32: rows contiguous int64 [N]");
+  const int64_t R = cache.size(0), stride = cache.stride(0);
+  const int64_t* ri = rows_in.data_ptr<int64_t>();
+  const int64_t* ro = rows_out.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(ri[n] >= -1 && ri[n] < R && ro[n] >= -1 && ro[n] < R, "gdn_recurrent_rows_f32: a row outside the cache");
+  float* base = cache.data_ptr<float>();
+  return run_stream(
+      q, k, v, a, beta, cu, scale, [&](int64_t n) -> const float* { return ri[n] < 0 ? nullptr : base + ri[n] * stride; },
+      [&](int64_t n) -> float* { return ro[n] < 0 ? nullptr : base + ro[n] * stride; });
 }
 
 }  // namespace
@@ -156,4 +207,7 @@ TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("gdn_recurrent_f32(Tensor q, Tensor k, Tensor v, Tensor a, Tensor beta, Tensor cu_seqlens, Tensor initial, "
         "float scale) -> (Tensor, Tensor)",
         &titan_rl::gdn_recurrent_f32);
+  m.def("gdn_recurrent_rows_f32(Tensor q, Tensor k, Tensor v, Tensor a, Tensor beta, Tensor cu_seqlens, "
+        "Tensor(a!) cache, Tensor rows_in, Tensor rows_out, float scale) -> Tensor",
+        &titan_rl::gdn_recurrent_rows_f32);
 }

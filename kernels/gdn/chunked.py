@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from titan_rl.kernels.gdn.cache_rows import CacheRows
 from titan_rl.kernels.gdn.inputs import check_shapes, compute_dtype, sequence_lengths
 
 
@@ -34,6 +35,8 @@ def gdn_chunked(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, ch
     """Same signature and returns as gdn_recurrent (o in v's dtype, final_state fp32, or
     fp64 for fp64 inputs), chunk size `chunk_size` (capped at the longest sequence).
     Differentiable by autograd w.r.t. q, k, v, g, beta and initial_state."""
+    if isinstance(initial_state, CacheRows):
+        return initial_state.through(gdn_chunked, q, k, v, g, beta, cu_seqlens, scale=scale, chunk_size=chunk_size)
     check_shapes(q, k, v, g, beta)
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from titan_rl.kernels import cpu_ext
 from titan_rl.kernels.gdn.chunked import gdn_chunked
+from titan_rl.kernels.gdn.cache_rows import CacheRows
 from titan_rl.kernels.gdn.inputs import check_shapes, compute_dtype, sequence_lengths
 from titan_rl.kernels.reduction import broadcast_rows
 
@@ -247,17 +248,48 @@ def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, 
     q, k [T, Hk, dk]; v [T, Hv, dv] (Hv a multiple of Hk); g (log decay, <= 0), beta
     [T, Hv] (any float dtype, used in fp32); cu_seqlens int [N+1] rising from 0 to T
     (sequences of length 0 are allowed: their final state is their initial state);
-    initial_state [N, Hv, dk, dv] (any float dtype, used in fp32) or None (zeros).
-    Returns (o [T, Hv, dv] in v's dtype, final_state [N, Hv, dk, dv] fp32). scale
+    initial_state [N, Hv, dk, dv] (any float dtype, used in fp32) or None (zeros), or a
+    CacheRows (the states in rows of an engine's cache: updated in place and returned as the
+    final state; not differentiable). Returns (o [T, Hv, dv] in v's dtype, final_state
+    [N, Hv, dk, dv] fp32). scale
     defaults to dk**-0.5. fp64 inputs compute in fp64 (for gradchecks; not an exactness
     path). Differentiable w.r.t. q, k, v, g, beta and initial_state; the backward is
     gdn_chunked's (chunk_size is used only there)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if isinstance(initial_state, CacheRows):
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+        if not grad and _in_place(v, initial_state):
+            return _recurrent_in_cache(q, k, v, g, beta, cu_seqlens, initial_state, scale), initial_state
+        return initial_state.through(gdn_recurrent, q, k, v, g, beta, cu_seqlens, scale=scale)
     args = (q, k, v, g, beta, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return _GDNRecurrent.apply(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size)
     return _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+def _in_place(v: torch.Tensor, rows: CacheRows) -> bool:
+    """Whether the compiled step can update these cache rows itself (fp32 states on CPU, rows
+    contiguous inside)."""
+    c = rows.cache
+    return (v.device.type == "cpu" and compute_dtype(v) == torch.float32 and c.dtype == torch.float32
+            and c.device.type == "cpu" and c[0].is_contiguous())
+
+
+def _recurrent_in_cache(q, k, v, g, beta, cu_seqlens, rows: CacheRows, scale):
+    """`_recurrent_forward` with the states read from and written to their cache rows in place:
+    the same step (gdn_recurrent.cpp), so the same bits in o and in the rows."""
+    check_shapes(q, k, v, g, beta)
+    T, Hv, dv = v.shape
+    cu, lens_l = sequence_lengths(cu_seqlens, T)
+    if rows.rows.shape[0] != len(lens_l) or rows.cache.shape[1:] != (Hv, q.shape[2], dv):
+        raise ValueError(f"CacheRows: {rows.rows.shape[0]} rows of {tuple(rows.cache.shape[1:])} for "
+                         f"{len(lens_l)} sequences of states {(Hv, q.shape[2], dv)}")
+    a = lane_stable(torch.exp, g.float())
+    f32 = [x.float().contiguous() for x in (q, k, v, beta)]
+    o = cpu_ext.ops().gdn_recurrent_rows_f32(f32[0], f32[1], f32[2], a.contiguous(), f32[3], cu.long().contiguous(),
+                                              rows.cache, rows.rows_in(), rows.rows.contiguous(), float(scale))
+    return o.to(v.dtype)
 
 
 def causal_conv1d(x, weight, cu_seqlens, initial_state=None):

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from titan_rl.kernels.autograd import with_eager_backward
 from titan_rl.kernels.gdn import torch_impl
+from titan_rl.kernels.gdn.cache_rows import CacheRows
 from titan_rl.kernels.gdn.inputs import sequence_lengths
 from titan_rl.kernels.gdn.torch_impl import _GDNRecurrent
 
@@ -108,6 +109,8 @@ def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, 
     """Same contract as torch_impl.gdn_recurrent (chunk_size is the backward's)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if isinstance(initial_state, CacheRows):
+        return initial_state.through(gdn_recurrent, q, k, v, g, beta, cu_seqlens, scale=scale)
     args = (q, k, v, g, beta, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return _GDNTriton.apply(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size)

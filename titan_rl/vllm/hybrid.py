@@ -37,7 +37,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from titan_rl.models.common.gdn import FreshState, carried_states
+from titan_rl.models.common.gdn import FreshState, carried_states, store_states
 from titan_rl.registry import architecture_for_vllm
 from titan_rl.vllm.model import TitanForCausalLM, _attention
 
@@ -96,16 +96,8 @@ class VllmLinearState:
         idx, has_context = self._rows[layer_idx]
         return carried_states(*self.layers[layer_idx].kv_cache, idx, has_context)
 
-    def store(self, layer_idx: int, conv_state: torch.Tensor, rec_state: torch.Tensor) -> None:
-        idx, _ = self._rows[layer_idx]
-        conv_cache, rec_cache = self.layers[layer_idx].kv_cache
-        ok = idx >= 0  # PAD_SLOT_ID rows have no page
-        if bool(ok.all()):  # whole rows, one copy each (no masked copy of the states first)
-            conv_cache.index_copy_(0, idx, conv_state.to(conv_cache.dtype))
-            rec_cache.index_copy_(0, idx, rec_state.to(rec_cache.dtype))
-            return
-        conv_cache[idx[ok]] = conv_state[ok].to(conv_cache.dtype)
-        rec_cache[idx[ok]] = rec_state[ok].to(rec_cache.dtype)
+    def store(self, layer_idx: int, conv_state: torch.Tensor, rec_state) -> None:
+        store_states(*self.layers[layer_idx].kv_cache, self._rows[layer_idx][0], conv_state, rec_state)
 
 
 class TitanHybridForCausalLM(TitanForCausalLM, HasInnerState, IsHybrid):

@@ -1,0 +1,64 @@
+"""Recurrent states that live in rows of an engine's state cache, as a GDN op's initial state.
+
+An engine keeps each sequence's recurrent state in a row of a cache tensor between steps. Passing
+the states as a gathered tensor costs three passes over them a step (gather, the op's own copy
+out, the store back), each the whole state of every sequence ([Hv, dk, dv] fp32: 1 MiB a
+sequence a layer at Qwen3.5-0.8B's widths). Given a `CacheRows`, the compiled CPU step reads
+each sequence's row and writes its final state back in place; every other form (the torch
+definition, Triton, the chunked stock form) gathers, runs and stores (`through`). Either way the
+op returns the CacheRows as its final state, and the cache holds the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """Sequence n starts from cache[rows[n]] where has_context[n], from zeros elsewhere (a row
+    whose sequence has no context yet may hold another's leftovers), and its final state goes
+    back to cache[rows[n]]. cache [R, Hv, dk, dv] (each row contiguous, rows any stride apart);
+    rows int64 [N], distinct and >= 0 (an engine's padding rows are not passed this way);
+    has_context bool [N]."""
+
+    cache: torch.Tensor
+    rows: torch.Tensor
+    has_context: torch.Tensor
+
+    def __post_init__(self):
+        n = self.rows.shape[0]
+        if self.rows.dim() != 1 or self.rows.dtype != torch.int64 or self.has_context.shape != (n,):
+            raise ValueError(f"CacheRows: rows int64 [N] and has_context [N], got {self.rows.dtype} "
+                             f"{tuple(self.rows.shape)} and {tuple(self.has_context.shape)}")
+        if n and (int(self.rows.min()) < 0 or int(self.rows.max()) >= self.cache.shape[0]
+                  or self.rows.unique().numel() != n):
+            raise ValueError(f"CacheRows: rows must be distinct rows of the cache (0..{self.cache.shape[0] - 1})")
+
+    def gather(self) -> torch.Tensor | None:
+        """The initial states [N, Hv, dk, dv] as a tensor (None: all zeros, the kernels' own start)."""
+        if not bool(self.has_context.any()):
+            return None
+        got = self.cache.index_select(0, self.rows)
+        if bool(self.has_context.all()):
+            return got
+        return torch.where(self.has_context.view(-1, 1, 1, 1), got, 0.0)
+
+    def put(self, final: torch.Tensor) -> None:
+        """Write the final states [N, Hv, dk, dv] back to their rows (whole rows, one copy each)."""
+        self.cache.index_copy_(0, self.rows, final.to(self.cache.dtype))
+
+    def rows_in(self) -> torch.Tensor:
+        """Each sequence's row to start from, -1 for zeros (the compiled step's form)."""
+        return torch.where(self.has_context, self.rows, -1).contiguous()
+
+    def through(self, op: Callable, q, k, v, g, beta, cu_seqlens, **kw):
+        """Run a form that takes its initial state as a tensor: gather, run, store."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+            raise ValueError("states in a cache are updated in place: not a differentiable input")
+        o, final = op(q, k, v, g, beta, cu_seqlens, self.gather(), **kw)
+        self.put(final)
+        return o, self
