@@ -22,7 +22,7 @@ from titan_rl.kernels.cpu_features import kind, march
 
 _SRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention.cpp", "elementwise.cpp", "rowwise.cpp", "bf16_logits.cpp", "stable_sort.cpp",
-           "fake_quant.cpp", "dsa.cpp", "quant_gemm.cpp", "weight_grad.cpp", "f32_chain.cpp", "gdn_recurrent.cpp")
+           "fake_quant.cpp", "dsa.cpp", "quant_gemm.cpp", "weight_grad.cpp", "f32_chain.cpp", "gdn_recurrent.cpp", "causal_conv1d.cpp")
 CFLAGS = ("-O3", march(), "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
 # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run on one thread.
 # The process already has torch's libgomp.so.1 loaded, which the extension then shares.

@@ -256,8 +256,8 @@ def test_the_compiled_step_is_the_torch_forms_bits(dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_states_in_cache_rows_are_the_gathered_states_bits(dtype, rng):
-    """A CacheRows initial state (an engine's cache, updated in place by the compiled step; the
-    other forms gather, run and store) against the same states passed as a tensor, torch.equal:
+    """A CacheRows initial state (an engine's cache, updated in place by the compiled step and
+    conv; the other forms gather, run and store) against the same states passed as a tensor, torch.equal:
     o, every written row, and every other row untouched. Rows lie a stride apart that is not the
     row's size, in shuffled order; some sequences have no context (their row holds a stranger's
     leftovers, which must be ignored), some have length 0; odd widths; 1 and 2 threads."""
@@ -286,7 +286,25 @@ def test_states_in_cache_rows_are_the_gathered_states_bits(dtype, rng):
                 others[rows] = False
                 assert _eq(cache[others], before[others]), (lens, form.__name__, n)
         # the in-place step is what the CPU fp32 path takes (the other forms gather and store)
-        assert torch_impl._in_place(v, CacheRows(cache, rows, has_context))
+        assert CacheRows(cache, rows, has_context).in_place(v)
+        # the conv states the same way (widths 4 and 3: 6 and 77 channels a row, rows a stride apart)
+        from titan_rl.kernels.gdn import torch_impl
+        for C, K in [(77, 4), (6, 3)]:
+            x = torch.randn(sum(lens), C, generator=rng).to(dtype)
+            w = torch.randn(C, 1, K, generator=rng)
+            cbuf = torch.randn(R, C * (K - 1) + 3, generator=rng)
+            for form in (causal_conv1d, torch_impl._causal_conv1d_torch):
+                cache = cbuf.clone()[:, :C * (K - 1)].view(R, C, K - 1)
+                before = cache.clone()
+                want_y, want_s = form(x, w, cu, torch.where(has_context.view(-1, 1, 1), before[rows], 0.0))
+                for n in (1, 2):
+                    cache.copy_(before)
+                    with threads(n):
+                        y, got = causal_conv1d(x, w, cu, CacheRows(cache, rows, has_context))
+                    assert isinstance(got, CacheRows) and _eq(y, want_y) and _eq(cache[rows], want_s), (C, K, n)
+                    others = torch.ones(R, dtype=torch.bool)
+                    others[rows] = False
+                    assert _eq(cache[others], before[others])
 
 
 def test_states_in_cache_rows_refuse_what_they_cannot_be(rng):
@@ -443,6 +461,38 @@ def test_conv_final_state_alone_is_the_convs_final_state(dtype, rng):
         (final(*xs) * torch.arange(3.0)).sum().backward()
         grads.append([t.grad for t in xs])
     assert all(_eq(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_compiled_conv_is_the_torch_forms_bits(dtype, rng):
+    """csrc/causal_conv1d.cpp (what causal_conv1d runs on CPU) against the torch form it is pinned
+    to (`_causal_conv1d_torch`), torch.equal, y and the final state: odd channel counts (77, 200:
+    blocks of 128 with a tail), conv widths 1 to 4, sequences of length 0 and shorter than the
+    history, with and without an initial state, 1 and 2 threads; and its gradients are the torch
+    form's (its backward recomputes that form)."""
+    from titan_rl.kernels.gdn import torch_impl
+
+    for C, K, lens in [(77, 4, [5, 0, 2, 9, 1]), (200, 3, [1, 1, 1]), (130, 2, [13]), (33, 1, [4, 0, 2])]:
+        T = sum(lens)
+        x = torch.randn(T, C, generator=rng).to(dtype)
+        w = torch.randn(C, 1, K, generator=rng).to(dtype)
+        cu = _cu(lens)
+        s0 = torch.randn(len(lens), C, K - 1, generator=rng)
+        for init in (s0, None):
+            want = torch_impl._causal_conv1d_torch(x, w, cu, init)
+            for n in (1, 2):
+                with threads(n):
+                    got = causal_conv1d(x, w, cu, init)
+                assert _eq(got[0], want[0]) and _eq(got[1], want[1]), (C, K, lens, n, init is None)
+        gy = torch.randn(T, C, generator=rng)
+        grads = []
+        for form in (causal_conv1d, torch_impl._causal_conv1d_torch):
+            xs = [t.clone().requires_grad_() for t in (x, w, s0)]
+            y, s = form(xs[0], xs[1], cu, xs[2])
+            ((y.float() * gy).sum() + s.sum()).backward()
+            grads.append([t.grad for t in xs])
+        assert all((a is None and b is None) or _eq(a, b) for a, b in zip(*grads)), (C, K, lens)
+        assert grads[0][0] is not None and grads[0][1] is not None
 
 
 def test_causal_conv1d_grads_match_reference(rng):

@@ -1,12 +1,13 @@
-"""Recurrent states that live in rows of an engine's state cache, as a GDN op's initial state.
+"""States that live in rows of an engine's state cache, as a GDN kernel's initial state.
 
-An engine keeps each sequence's recurrent state in a row of a cache tensor between steps. Passing
-the states as a gathered tensor costs three passes over them a step (gather, the op's own copy
-out, the store back), each the whole state of every sequence ([Hv, dk, dv] fp32: 1 MiB a
-sequence a layer at Qwen3.5-0.8B's widths). Given a `CacheRows`, the compiled CPU step reads
-each sequence's row and writes its final state back in place; every other form (the torch
-definition, Triton, the chunked stock form) gathers, runs and stores (`through`). Either way the
-op returns the CacheRows as its final state, and the cache holds the same bits.
+An engine keeps each sequence's conv and recurrent states in rows of cache tensors between steps.
+Passing them as gathered tensors costs three passes over them a step (gather, the op's own copy
+out, the store back), each over every sequence's whole state ([Hv, dk, dv] fp32: 1 MiB a
+sequence a layer at Qwen3.5-0.8B's widths), and a few tensor ops a layer. Given a `CacheRows`,
+the compiled CPU kernels (the recurrence, the causal conv) read each sequence's row and write its
+final state back in place; every other form (the torch definitions, Triton, the chunked stock
+form) gathers, runs and stores (`through`). Either way the op returns the CacheRows as its final
+state, and the cache holds the same bits.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 class CacheRows:
     """Sequence n starts from cache[rows[n]] where has_context[n], from zeros elsewhere (a row
     whose sequence has no context yet may hold another's leftovers), and its final state goes
-    back to cache[rows[n]]. cache [R, Hv, dk, dv] (each row contiguous, rows any stride apart);
+    back to cache[rows[n]]. cache [R, ...] (each row contiguous, rows any stride apart);
     rows int64 [N], distinct and >= 0 (an engine's padding rows are not passed this way);
     has_context bool [N]."""
 
@@ -39,7 +40,7 @@ class CacheRows:
             raise ValueError(f"CacheRows: rows must be distinct rows of the cache (0..{self.cache.shape[0] - 1})")
 
     def gather(self) -> torch.Tensor | None:
-        """The initial states [N, Hv, dk, dv] as a tensor (None: all zeros, the kernels' own start)."""
+        """The initial states [N, ...] as a tensor (None: all zeros, the kernels' own start)."""
         if not bool(self.has_context.any()):
             return None
         got = self.cache.index_select(0, self.rows)
@@ -48,17 +49,25 @@ class CacheRows:
         return torch.where(self.has_context.view(-1, 1, 1, 1), got, 0.0)
 
     def put(self, final: torch.Tensor) -> None:
-        """Write the final states [N, Hv, dk, dv] back to their rows (whole rows, one copy each)."""
+        """Write the final states [N, ...] back to their rows (whole rows, one copy each)."""
         self.cache.index_copy_(0, self.rows, final.to(self.cache.dtype))
 
     def rows_in(self) -> torch.Tensor:
         """Each sequence's row to start from, -1 for zeros (the compiled step's form)."""
         return torch.where(self.has_context, self.rows, -1).contiguous()
 
-    def through(self, op: Callable, q, k, v, g, beta, cu_seqlens, **kw):
-        """Run a form that takes its initial state as a tensor: gather, run, store."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+    def through(self, op: Callable, *args, **kw):
+        """Run a form that takes its initial state as a tensor, after its positional arguments
+        `args`, and returns (output, final state): gather, run, store."""
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args):
             raise ValueError("states in a cache are updated in place: not a differentiable input")
-        o, final = op(q, k, v, g, beta, cu_seqlens, self.gather(), **kw)
+        out, final = op(*args, self.gather(), **kw)
         self.put(final)
-        return o, self
+        return out, self
+
+    def in_place(self, x: torch.Tensor) -> bool:
+        """Whether a compiled CPU kernel can update these rows itself for input x (fp32 states on
+        CPU, each row contiguous, x on CPU and computed in fp32)."""
+        c = self.cache
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and c.dtype == torch.float32 and c.device.type == "cpu" and c[0].is_contiguous())

@@ -259,21 +259,13 @@ def gdn_recurrent(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, 
         scale = q.shape[-1] ** -0.5
     if isinstance(initial_state, CacheRows):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-        if not grad and _in_place(v, initial_state):
+        if not grad and initial_state.in_place(v):
             return _recurrent_in_cache(q, k, v, g, beta, cu_seqlens, initial_state, scale), initial_state
         return initial_state.through(gdn_recurrent, q, k, v, g, beta, cu_seqlens, scale=scale)
     args = (q, k, v, g, beta, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return _GDNRecurrent.apply(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunk_size)
     return _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale)
-
-
-def _in_place(v: torch.Tensor, rows: CacheRows) -> bool:
-    """Whether the compiled step can update these cache rows itself (fp32 states on CPU, rows
-    contiguous inside)."""
-    c = rows.cache
-    return (v.device.type == "cpu" and compute_dtype(v) == torch.float32 and c.dtype == torch.float32
-            and c.device.type == "cpu" and c[0].is_contiguous())
 
 
 def _recurrent_in_cache(q, k, v, g, beta, cu_seqlens, rows: CacheRows, scale):
@@ -298,11 +290,91 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
 
     x [T, C]; weight [C, K] or [C, 1, K] (HF/vLLM conv1d.weight); initial_state
     [N, C, K-1] (the K-1 inputs before each sequence's first token, oldest first) or None
-    (zeros). y_t = sum_{i=0..K-1} w[:, i] * x_{t-K+1+i}, products and sums in fp32 in the
-    fixed order i = 0..K-1 (elementwise IEEE ops only, so invariant), cast to x's dtype.
+    (zeros), or a CacheRows (the states in rows of an engine's cache: updated in place and
+    returned as the final state; not differentiable). y_t = sum_{i=0..K-1} w[:, i] *
+    x_{t-K+1+i}, products and sums in fp32 in the fixed order i = 0..K-1 (elementwise IEEE ops
+    only, so invariant), cast to x's dtype.
     Returns (y [T, C], final_state [N, C, K-1] fp32: each sequence's last K-1 inputs,
     including initial-state ones when it is shorter than K-1; length 0 keeps its state).
-    Vectorised over T; differentiable w.r.t. x, weight and initial_state."""
+    Differentiable w.r.t. x, weight and initial_state. On CPU the compiled form
+    (csrc/causal_conv1d.cpp) computes the forward, the same operations as the torch form
+    (`_causal_conv1d_torch`, the definition), so the same bits; its backward is the torch form's."""
+    if weight.dim() == 3:
+        weight = weight[:, 0]
+    args = (x, weight, initial_state)
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
+    if isinstance(initial_state, CacheRows):
+        if not grad and initial_state.in_place(x) and _conv_compiled(x, weight):
+            return _conv_in_cache(x, weight, cu_seqlens, initial_state), initial_state
+        return initial_state.through(causal_conv1d, x, weight, cu_seqlens)
+    if not _conv_compiled(x, weight):
+        return _causal_conv1d_torch(x, weight, cu_seqlens, initial_state)
+    if grad:
+        return _CausalConv.apply(x, weight, cu_seqlens, initial_state)
+    return _conv_forward(x, weight, cu_seqlens, initial_state)
+
+
+def _conv_compiled(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    ok = (torch.float32, torch.bfloat16)
+    return x.device.type == "cpu" and x.dtype in ok and weight.dtype in ok and x.dim() == 2
+
+
+def _conv_args(x, weight, cu_seqlens):
+    T, C = x.shape
+    if weight.shape[0] != C or weight.dim() != 2:
+        raise ValueError(f"causal_conv1d: weight must be [{C}, K] or [{C}, 1, K], got {tuple(weight.shape)}")
+    cu, _ = sequence_lengths(cu_seqlens, T)
+    return x.contiguous(), weight.contiguous(), cu.long().contiguous()
+
+
+def _conv_forward(x, weight, cu_seqlens, initial_state):
+    xc, wt, cu = _conv_args(x, weight, cu_seqlens)
+    N, C, H = cu.shape[0] - 1, x.shape[1], weight.shape[1] - 1
+    if initial_state is not None and initial_state.shape != (N, C, H):
+        raise ValueError(f"initial_state must be {(N, C, H)}, got {tuple(initial_state.shape)}")
+    init = torch.empty(0) if initial_state is None else initial_state.float().contiguous()
+    return cpu_ext.ops().causal_conv1d_f32(xc, wt, cu, init)
+
+
+def _conv_in_cache(x, weight, cu_seqlens, rows: CacheRows):
+    xc, wt, cu = _conv_args(x, weight, cu_seqlens)
+    N, C, H = cu.shape[0] - 1, x.shape[1], weight.shape[1] - 1
+    if rows.rows.shape[0] != N or rows.cache.shape[1:] != (C, H):
+        raise ValueError(f"CacheRows: {rows.rows.shape[0]} rows of {tuple(rows.cache.shape[1:])} for {N} "
+                         f"sequences of conv states {(C, H)}")
+    return cpu_ext.ops().causal_conv1d_rows_f32(xc, wt, cu, rows.cache, rows.rows_in(), rows.rows.contiguous())
+
+
+class _CausalConv(torch.autograd.Function):
+    """Forward: the compiled conv. Backward: the torch form's, recomputed under autograd (its
+    forward is the same bits, so the gradients are those of the torch form)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cu_seqlens, initial_state):
+        ctx.save_for_backward(x, weight, cu_seqlens, initial_state)
+        return _conv_forward(x, weight, cu_seqlens, initial_state)
+
+    @staticmethod
+    def backward(ctx, gy, gs):
+        x, weight, cu, init = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        with torch.enable_grad():
+            xs = [t.detach().requires_grad_(bool(need[i])) if t is not None else None
+                  for i, t in enumerate((x, weight, None, init))]
+            y, fs = _causal_conv1d_torch(xs[0], xs[1], cu, xs[3])
+            outs = [(o, g) for o, g in ((y, gy), (fs, gs)) if g is not None]
+            wrt = [i for i, t in enumerate(xs) if t is not None and need[i]]
+            got = torch.autograd.grad([o for o, _ in outs], [xs[i] for i in wrt], [g.to(o.dtype) for o, g in outs],
+                                      allow_unused=True) if wrt and outs else ()
+        res = [None] * 4
+        for i, gr in zip(wrt, got):
+            res[i] = gr  # None where the torch form does not use the input (K = 1: no state)
+        return tuple(res)
+
+
+def _causal_conv1d_torch(x, weight, cu_seqlens, initial_state=None):
+    """The definition in torch ops (the form for fp64 and non-CPU tensors, the compiled form's
+    reference and its backward): an extended stream per sequence, a gather, product and sum per tap."""
     if weight.dim() == 3:
         weight = weight[:, 0]
     T, C = x.shape

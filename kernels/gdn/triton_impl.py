@@ -188,6 +188,8 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
     torch_impl's gathers (data movement only). fp64 (gradchecks) runs torch_impl."""
     if x.dtype == torch.float64:
         return torch_impl.causal_conv1d(x, weight, cu_seqlens, initial_state)
+    if isinstance(initial_state, CacheRows):
+        return initial_state.through(causal_conv1d, x, weight, cu_seqlens)
     if weight.dim() == 3:
         weight = weight[:, 0]
     if initial_state is not None and initial_state.shape != (len(cu_seqlens) - 1, x.shape[1], weight.shape[-1] - 1):

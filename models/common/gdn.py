@@ -121,30 +121,28 @@ class GdnConfig:
 
 class LinearState(Protocol):
     """Where sequences start and the states they carry in and out. `initial` gives each
-    sequence's (conv, recurrent) state (None: zeros); the recurrent one may be a `CacheRows`
-    (the states in the engine's cache rows, which the GDN op updates in place and returns as its
-    final state). `store` keeps the final ones for the next step."""
+    sequence's (conv, recurrent) state as a tensor (None: zeros) or as a `CacheRows` (the states
+    in the engine's cache rows, which the GDN kernels update in place and return as their final
+    state). `store` keeps the final ones for the next step."""
 
     cu_seqlens: torch.Tensor  # int64 [N + 1]
 
-    def initial(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | CacheRows | None]: ...
+    def initial(self, layer_idx: int) -> tuple[torch.Tensor | CacheRows | None, torch.Tensor | CacheRows | None]: ...
 
-    def store(self, layer_idx: int, conv_state: torch.Tensor, rec_state: torch.Tensor | CacheRows) -> None: ...
+    def store(self, layer_idx: int, conv_state: torch.Tensor | CacheRows, rec_state: torch.Tensor | CacheRows) -> None: ...
 
 
 def carried_states(conv_cache: torch.Tensor, rec_cache: torch.Tensor, rows: torch.Tensor,
-                   has_context: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | CacheRows | None]:
-    """An engine's `LinearState.initial`: each sequence's conv state from its cache row, zeros
-    where it has no context yet (a row's page may hold another sequence's leftovers), None (the
-    kernel's own zero start) when no sequence has context; the recurrent states as `CacheRows`
-    over their rows, read and written in place by the GDN op (a Qwen3.5-0.8B decode step of 8
-    sequences, bf16, 1 thread: 403 ms with the states gathered and stored, 335 ms in place), or
-    gathered as the conv states where a row is a padding row (< 0, wrapping as indexing does)."""
+                   has_context: torch.Tensor) -> tuple[CacheRows | torch.Tensor | None, CacheRows | torch.Tensor | None]:
+    """An engine's `LinearState.initial`: each sequence's (conv, recurrent) states as `CacheRows`
+    over their cache rows, which the GDN kernels read and write in place (a Qwen3.5-0.8B decode
+    step of 8 sequences, bf16, 1 thread: 403 ms with the recurrent states gathered and stored,
+    335 ms in place); gathered where a row is a padding row (< 0, wrapping as indexing does):
+    zeros where a sequence has no context yet (a row's page may hold another sequence's
+    leftovers), None (the kernels' own zero start) when no sequence has context."""
     if bool((rows >= 0).all()):
-        rec = CacheRows(rec_cache, rows, has_context)
-    else:
-        rec = _gathered(rec_cache, rows, has_context)
-    return _gathered(conv_cache, rows, has_context), rec
+        return CacheRows(conv_cache, rows, has_context), CacheRows(rec_cache, rows, has_context)
+    return _gathered(conv_cache, rows, has_context), _gathered(rec_cache, rows, has_context)
 
 
 def _gathered(cache: torch.Tensor, rows: torch.Tensor, has_context: torch.Tensor) -> torch.Tensor | None:
@@ -159,13 +157,14 @@ def _gathered(cache: torch.Tensor, rows: torch.Tensor, has_context: torch.Tensor
 
 
 def store_states(conv_cache: torch.Tensor, rec_cache: torch.Tensor, rows: torch.Tensor,
-                 conv_state: torch.Tensor, rec_state: torch.Tensor | CacheRows) -> None:
+                 conv_state: torch.Tensor | CacheRows, rec_state: torch.Tensor | CacheRows) -> None:
     """An engine's `LinearState.store`: each sequence's final states to its cache rows (whole
-    rows, one copy each), none for padding rows (< 0: no page); recurrent states the op updated
-    in place (a CacheRows) are already there."""
+    rows, one copy each), none for padding rows (< 0: no page); states the kernels updated in
+    place (CacheRows) are already there."""
     ok = rows >= 0
-    states = [(conv_cache, conv_state)] + ([] if isinstance(rec_state, CacheRows) else [(rec_cache, rec_state)])
-    for cache, state in states:
+    for cache, state in ((conv_cache, conv_state), (rec_cache, rec_state)):
+        if isinstance(state, CacheRows):
+            continue
         if bool(ok.all()):
             cache.index_copy_(0, rows, state.to(cache.dtype))
         else:
