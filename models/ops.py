@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_rl.kernels import (attention_dense, gdn_l2norm, gdn_recurrent, index_topk, layer_norm, linear,
-                              linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads, silu_mul,
-                              sparse_mla_attention, tree_sum)
+from titan_rl.kernels import (attention_dense, causal_conv1d, gdn_l2norm, gdn_recurrent, index_topk, layer_norm,
+                              linear, linear_k_leaves, linear_n_blocks, lm_head_logits, rms_norm, rms_norm_heads,
+                              silu_mul, sparse_mla_attention, tree_sum)
 from titan_rl.kernels import rope as rope_exact
 from titan_rl.kernels.autograd import split_last
-from titan_rl.kernels.gdn import gdn_chunked, lane_stable
+from titan_rl.kernels.gdn import causal_conv1d_torch, gdn_chunked, lane_stable
 from titan_rl.kernels.indexer.torch_impl import key_rows
 from titan_rl.kernels.layernorm.torch_impl import layer_norm_eager
 from titan_rl.kernels.moe.torch_impl import topk_ties_low
@@ -58,6 +58,8 @@ class Ops:
     GDN's gated norm).
     elementwise(fn, x): a transcendental (silu, sigmoid, exp, softplus: GDN's, the output
     and shared-expert gates) of an input whose size depends on the batch, in fp32;
+    causal_conv1d(x, weight, cu_seqlens, initial_state) -> (y, final state): GDN's conv (both modes
+    the same arithmetic; stock in plain torch ops, exact compiled on CPU);
     gdn_l2norm(x) -> fp32 per-head L2 norm;
     gdn_recurrence(q, k, v, g, beta, cu_seqlens, initial_state, scale=) -> (o, final state).
     DeepSeek sparse attention (GLM-5; kernels/indexer, kernels/sparse_attention, docs/glm5.md):
@@ -217,6 +219,7 @@ MODE_OPS: dict[str, tuple[Callable, Callable]] = {
     "causal_attention": (attention_dense, _sdpa_causal),
     "lm_head": (lm_head_logits, _linear_fp32),
     "elementwise": (lane_stable, _plain),
+    "causal_conv1d": (causal_conv1d, causal_conv1d_torch),
     "gdn_l2norm": (gdn_l2norm, _plain_l2norm),
     "gdn_recurrence": (gdn_recurrent, gdn_chunked),
     "index_topk": (index_topk, _index_topk_stock),

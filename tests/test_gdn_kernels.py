@@ -293,7 +293,7 @@ def test_states_in_cache_rows_are_the_gathered_states_bits(dtype, rng):
             x = torch.randn(sum(lens), C, generator=rng).to(dtype)
             w = torch.randn(C, 1, K, generator=rng)
             cbuf = torch.randn(R, C * (K - 1) + 3, generator=rng)
-            for form in (causal_conv1d, torch_impl._causal_conv1d_torch):
+            for form in (causal_conv1d, torch_impl.causal_conv1d_torch):
                 cache = cbuf.clone()[:, :C * (K - 1)].view(R, C, K - 1)
                 before = cache.clone()
                 want_y, want_s = form(x, w, cu, torch.where(has_context.view(-1, 1, 1), before[rows], 0.0))
@@ -466,7 +466,7 @@ def test_conv_final_state_alone_is_the_convs_final_state(dtype, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_compiled_conv_is_the_torch_forms_bits(dtype, rng):
     """csrc/causal_conv1d.cpp (what causal_conv1d runs on CPU) against the torch form it is pinned
-    to (`_causal_conv1d_torch`), torch.equal, y and the final state: odd channel counts (77, 200:
+    to (`causal_conv1d_torch`), torch.equal, y and the final state: odd channel counts (77, 200:
     blocks of 128 with a tail), conv widths 1 to 4, sequences of length 0 and shorter than the
     history, with and without an initial state, 1 and 2 threads; and its gradients are the torch
     form's (its backward recomputes that form)."""
@@ -479,14 +479,14 @@ def test_the_compiled_conv_is_the_torch_forms_bits(dtype, rng):
         cu = _cu(lens)
         s0 = torch.randn(len(lens), C, K - 1, generator=rng)
         for init in (s0, None):
-            want = torch_impl._causal_conv1d_torch(x, w, cu, init)
+            want = torch_impl.causal_conv1d_torch(x, w, cu, init)
             for n in (1, 2):
                 with threads(n):
                     got = causal_conv1d(x, w, cu, init)
                 assert _eq(got[0], want[0]) and _eq(got[1], want[1]), (C, K, lens, n, init is None)
         gy = torch.randn(T, C, generator=rng)
         grads = []
-        for form in (causal_conv1d, torch_impl._causal_conv1d_torch):
+        for form in (causal_conv1d, torch_impl.causal_conv1d_torch):
             xs = [t.clone().requires_grad_() for t in (x, w, s0)]
             y, s = form(xs[0], xs[1], cu, xs[2])
             ((y.float() * gy).sum() + s.sum()).backward()

@@ -1,5 +1,5 @@
 // GDN's depthwise causal conv, compiled: the same IEEE operations as the torch form in
-// kernels/gdn/torch_impl.py (`_causal_conv1d_torch`, the definition this is pinned to with
+// kernels/gdn/torch_impl.py (`causal_conv1d_torch`, the definition this is pinned to with
 // torch.equal). Per sequence the inputs form an extended stream: its K-1 history entries (the
 // carried conv state, zeros without one), then its tokens; token j's output is
 //   y = w[0] * e[j] + w[1] * e[j + 1] + ... + w[K-1] * e[j + K-1]

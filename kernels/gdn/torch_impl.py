@@ -298,7 +298,7 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
     including initial-state ones when it is shorter than K-1; length 0 keeps its state).
     Differentiable w.r.t. x, weight and initial_state. On CPU the compiled form
     (csrc/causal_conv1d.cpp) computes the forward, the same operations as the torch form
-    (`_causal_conv1d_torch`, the definition), so the same bits; its backward is the torch form's."""
+    (`causal_conv1d_torch`, the definition), so the same bits; its backward is the torch form's."""
     if weight.dim() == 3:
         weight = weight[:, 0]
     args = (x, weight, initial_state)
@@ -308,7 +308,7 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None):
             return _conv_in_cache(x, weight, cu_seqlens, initial_state), initial_state
         return initial_state.through(causal_conv1d, x, weight, cu_seqlens)
     if not _conv_compiled(x, weight):
-        return _causal_conv1d_torch(x, weight, cu_seqlens, initial_state)
+        return causal_conv1d_torch(x, weight, cu_seqlens, initial_state)
     if grad:
         return _CausalConv.apply(x, weight, cu_seqlens, initial_state)
     return _conv_forward(x, weight, cu_seqlens, initial_state)
@@ -361,7 +361,7 @@ class _CausalConv(torch.autograd.Function):
         with torch.enable_grad():
             xs = [t.detach().requires_grad_(bool(need[i])) if t is not None else None
                   for i, t in enumerate((x, weight, None, init))]
-            y, fs = _causal_conv1d_torch(xs[0], xs[1], cu, xs[3])
+            y, fs = causal_conv1d_torch(xs[0], xs[1], cu, xs[3])
             outs = [(o, g) for o, g in ((y, gy), (fs, gs)) if g is not None]
             wrt = [i for i, t in enumerate(xs) if t is not None and need[i]]
             got = torch.autograd.grad([o for o, _ in outs], [xs[i] for i in wrt], [g.to(o.dtype) for o, g in outs],
@@ -372,9 +372,12 @@ class _CausalConv(torch.autograd.Function):
         return tuple(res)
 
 
-def _causal_conv1d_torch(x, weight, cu_seqlens, initial_state=None):
+def causal_conv1d_torch(x, weight, cu_seqlens, initial_state=None):
     """The definition in torch ops (the form for fp64 and non-CPU tensors, the compiled form's
-    reference and its backward): an extended stream per sequence, a gather, product and sum per tap."""
+    reference and its backward, and the stock kernels' conv): an extended stream per sequence, a
+    gather, product and sum per tap."""
+    if isinstance(initial_state, CacheRows):
+        return initial_state.through(causal_conv1d_torch, x, weight, cu_seqlens)
     if weight.dim() == 3:
         weight = weight[:, 0]
     T, C = x.shape

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_rl.kernels import causal_conv1d
 from titan_rl.kernels.gdn import CacheRows
 from titan_rl.kernels.reduction import broadcast_rows
 from titan_rl.models.common.transformer import MLP, Attention, CausalLM
@@ -271,8 +270,8 @@ class GatedDeltaNet(nn.Module):
 
         conv_w, A_log, dt_bias, norm_w = self.head_params()
         conv0, rec0 = state.initial(self.layer_idx)
-        y, conv1 = causal_conv1d(mixed, conv_w, cu, conv0)
         ops = self.ops
+        y, conv1 = ops.causal_conv1d(mixed, conv_w, cu, conv0)
         y = ops.elementwise(F.silu, y).to(mixed.dtype)  # lane_stable computes in fp32
         q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q = ops.gdn_l2norm(q.reshape(n, hk, dk))
