@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cache_rows.h"
 #include "common.h"
 #include "fp32_vec.h"
 
@@ -150,21 +151,12 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_f32(const at::Tensor& x, const 
 at::Tensor causal_conv1d_rows_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cu,
                                   const at::Tensor& cache, const at::Tensor& rows_in, const at::Tensor& rows_out) {
   const int64_t N = check_conv(x, w, cu), C = x.size(1), H = w.size(1) - 1;
-  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 3 && cache.size(1) == C && cache.size(2) == H &&
+  TORCH_CHECK(cache.dim() == 3 && cache.size(1) == C && cache.size(2) == H &&
                   (H == 0 || (cache.stride(2) == 1 && cache.stride(1) == H)),
-              "causal_conv1d_rows_f32: cache fp32 [R, C, K-1], each row contiguous");
-  for (const at::Tensor* t : {&rows_in, &rows_out})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
-                "causal_conv1d_rows_f32: rows contiguous int64 [N]");
-  const int64_t R = cache.size(0), stride = cache.stride(0);
-  const int64_t* ri = rows_in.data_ptr<int64_t>();
-  const int64_t* ro = rows_out.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; ++n)
-    TORCH_CHECK(ri[n] >= -1 && ri[n] < R && ro[n] >= -1 && ro[n] < R, "causal_conv1d_rows_f32: a row outside the cache");
-  float* base = cache.data_ptr<float>();
+              "causal_conv1d_rows_f32: cache [R, C, K-1], each row contiguous");
+  const CacheRowPointers rows = cache_rows(cache, rows_in, rows_out, N, "causal_conv1d_rows_f32");
   return conv_any(
-      x, w, cu, [&](int64_t n) -> const float* { return ri[n] < 0 ? nullptr : base + ri[n] * stride; },
-      [&](int64_t n) -> float* { return ro[n] < 0 ? nullptr : base + ro[n] * stride; });
+      x, w, cu, [&](int64_t n) { return rows.in(n); }, [&](int64_t n) { return rows.out(n); });
 }
 
 }  // namespace

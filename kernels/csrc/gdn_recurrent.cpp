@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cache_rows.h"
 #include "fp32_vec.h"
 
 namespace titan_rl {
@@ -183,21 +184,12 @@ at::Tensor gdn_recurrent_rows_f32(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& rows_in, const at::Tensor& rows_out, double scale) {
   const int64_t N = check_stream(q, k, v, a, beta, cu);
   const int64_t Hv = v.size(1), dk = q.size(2), dv = v.size(2);
-  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 4 && cache.size(1) == Hv && cache.size(2) == dk &&
+  TORCH_CHECK(cache.dim() == 4 && cache.size(1) == Hv && cache.size(2) == dk &&
                   cache.size(3) == dv && cache.stride(3) == 1 && cache.stride(2) == dv && cache.stride(1) == dk * dv,
-              "gdn_recurrent_rows_f32: cache fp32 [R, Hv, dk, dv], each row contiguous");
-  for (const at::Tensor* t : {&rows_in, &rows_out})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
-                "gdn_recurrent_rows_f32: rows contiguous int64 [N]");
-  const int64_t R = cache.size(0), stride = cache.stride(0);
-  const int64_t* ri = rows_in.data_ptr<int64_t>();
-  const int64_t* ro = rows_out.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; ++n)
-    TORCH_CHECK(ri[n] >= -1 && ri[n] < R && ro[n] >= -1 && ro[n] < R, "gdn_recurrent_rows_f32: a row outside the cache");
-  float* base = cache.data_ptr<float>();
+              "gdn_recurrent_rows_f32: cache [R, Hv, dk, dv], each row contiguous");
+  const CacheRowPointers rows = cache_rows(cache, rows_in, rows_out, N, "gdn_recurrent_rows_f32");
   return run_stream(
-      q, k, v, a, beta, cu, scale, [&](int64_t n) -> const float* { return ri[n] < 0 ? nullptr : base + ri[n] * stride; },
-      [&](int64_t n) -> float* { return ro[n] < 0 ? nullptr : base + ro[n] * stride; });
+      q, k, v, a, beta, cu, scale, [&](int64_t n) { return rows.in(n); }, [&](int64_t n) { return rows.out(n); });
 }
 
 }  // namespace
