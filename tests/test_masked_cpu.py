@@ -25,11 +25,13 @@ pytestmark = pytest.mark.skipif(not torch.cpu._is_avx512_supported(),
 
 # the tests of each CPU-dependent choice: linear / LM head / attention forms and the self-check,
 # the quantized GEMM's form, vLLM's op probes and its own GDN layer (stock column) on its AVX2
-# library, exact engine == trainer on those forms; the GDN step's and conv's AVX2 forms
+# library, exact engine == trainer on those forms; the GDN step's and conv's AVX2 forms, and
+# lane_stable on ATen's AVX2 kernels
 SUBSET = ["tests/test_kernels.py", "tests/test_quant_gemm.py", "tests/test_invariance_guard.py",
           "tests/test_gdn_kernels.py::test_the_compiled_step_is_the_torch_forms_bits",
           "tests/test_gdn_kernels.py::test_states_in_cache_rows_are_the_gathered_states_bits",
           "tests/test_gdn_kernels.py::test_the_compiled_conv_is_the_torch_forms_bits",
+          "tests/test_gdn_kernels.py::test_lane_stable_rows_do_not_depend_on_slicing_size_or_threads",
           "tests/test_hybrids_parity.py::test_the_stock_refusal_says_what_vllms_ops_refuse",
           "tests/test_hybrids_parity.py::test_stock_without_a_folder_is_refused_in_one_line_where_vllms_cpu_ops_cannot_run",
           "tests/test_hybrids_parity.py::test_bf16_exact_is_bitwise_and_stock_is_vllms_own_and_not"]
