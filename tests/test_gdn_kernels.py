@@ -274,7 +274,7 @@ def test_states_in_cache_rows_are_the_gathered_states_bits(dtype, rng):
         buf = torch.randn(R, Hv * dk * dv + 5, generator=rng)  # a row's stride is not its size
         rows = torch.randperm(R, generator=rng)[:N]
         has_context = torch.rand(N, generator=rng) < 0.6
-        has_context[0] = True
+        has_context[0], has_context[-1] = True, False  # both kinds, whatever the draw
         for form in (gdn_recurrent, gdn_chunked):
             cache = buf.clone()[:, :Hv * dk * dv].view(R, Hv, dk, dv)
             before = cache.clone()
@@ -291,8 +291,7 @@ def test_states_in_cache_rows_are_the_gathered_states_bits(dtype, rng):
                 assert _eq(cache[others], before[others]), (lens, form.__name__, n)
         # the in-place step is what the CPU fp32 path takes (the other forms gather and store)
         assert CacheRows(cache, rows, has_context).in_place(v)
-        # the conv states the same way (widths 4 and 3: 6 and 77 channels a row, rows a stride apart)
-        from titan_rl.kernels.gdn import torch_impl
+        # the conv states the same way (widths 4 and 3: 77 and 6 channels, rows a stride apart)
         for C, K in [(77, 4), (6, 3)]:
             x = torch.randn(sum(lens), C, generator=rng).to(dtype)
             w = torch.randn(C, 1, K, generator=rng)
@@ -304,7 +303,7 @@ def test_states_in_cache_rows_are_the_gathered_states_bits(dtype, rng):
                 for n in (1, 2):
                     cache.copy_(before)
                     with threads(n):
-                        y, got = causal_conv1d(x, w, cu, CacheRows(cache, rows, has_context))
+                        y, got = form(x, w, cu, CacheRows(cache, rows, has_context))
                     assert isinstance(got, CacheRows) and _eq(y, want_y) and _eq(cache[rows], want_s), (C, K, n)
                     others = torch.ones(R, dtype=torch.bool)
                     others[rows] = False

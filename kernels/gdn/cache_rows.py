@@ -41,12 +41,7 @@ class CacheRows:
 
     def gather(self) -> torch.Tensor | None:
         """The initial states [N, ...] as a tensor (None: all zeros, the kernels' own start)."""
-        if not bool(self.has_context.any()):
-            return None
-        got = self.cache.index_select(0, self.rows)
-        if bool(self.has_context.all()):
-            return got
-        return torch.where(self.has_context.view(-1, 1, 1, 1), got, 0.0)
+        return gather_rows(self.cache, self.rows, self.has_context)
 
     def put(self, final: torch.Tensor) -> None:
         """Write the final states [N, ...] back to their rows (whole rows, one copy each)."""
@@ -71,3 +66,16 @@ class CacheRows:
         c = self.cache
         return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and c.dtype == torch.float32 and c.device.type == "cpu" and c[0].is_contiguous())
+
+
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor, has_context: torch.Tensor) -> torch.Tensor | None:
+    """cache[rows] [N, ...], zeros where a sequence has no context; None (the kernels' own zero
+    start) where none has. Whole rows by index_select (a row copy each; advanced indexing gathers
+    element by element); zeros put in only where some row has no context (a decode step has
+    context everywhere)."""
+    if not bool(has_context.any()):
+        return None
+    got = cache.index_select(0, rows)
+    if bool(has_context.all()):
+        return got
+    return torch.where(has_context.view(-1, *[1] * (got.dim() - 1)), got, 0.0)

@@ -153,11 +153,16 @@ def _recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     init = torch.empty(0) if initial_state is None else initial_state.float().contiguous()  # read, never written
     if T == 0:
         return v.new_empty(T, Hv, dv), (init.clone() if initial_state is not None else torch.zeros(N, Hv, dk, dv))
-    a = lane_stable(torch.exp, g.float())  # ONCE, before the loop (see module docstring)
-    f32 = [x.float().contiguous() for x in (q, k, v, beta)]
-    o, final = cpu_ext.ops().gdn_recurrent_f32(f32[0], f32[1], f32[2], a.contiguous(), f32[3], cu.long(), init,
-                                                float(scale))
+    o, final = cpu_ext.ops().gdn_recurrent_f32(*_step_operands(q, k, v, g, beta, cu), init, float(scale))
     return o.to(v.dtype), final
+
+
+def _step_operands(q, k, v, g, beta, cu):
+    """The compiled step's operands: q, k, v, exp(g) (ONCE, before the loop: see the module
+    docstring), beta, fp32 and contiguous, and cu_seqlens int64."""
+    a = lane_stable(torch.exp, g.float())
+    return (*(x.float().contiguous() for x in (q, k, v)), a.contiguous(), beta.float().contiguous(),
+            cu.long().contiguous())
 
 
 def _recurrent_forward_torch(q, k, v, g, beta, cu_seqlens, initial_state, scale):
@@ -286,10 +291,8 @@ def _recurrent_in_cache(q, k, v, g, beta, cu_seqlens, rows: CacheRows, scale):
     if rows.rows.shape[0] != len(lens_l) or rows.cache.shape[1:] != (Hv, q.shape[2], dv):
         raise ValueError(f"CacheRows: {rows.rows.shape[0]} rows of {tuple(rows.cache.shape[1:])} for "
                          f"{len(lens_l)} sequences of states {(Hv, q.shape[2], dv)}")
-    a = lane_stable(torch.exp, g.float())
-    f32 = [x.float().contiguous() for x in (q, k, v, beta)]
-    o = cpu_ext.ops().gdn_recurrent_rows_f32(f32[0], f32[1], f32[2], a.contiguous(), f32[3], cu.long().contiguous(),
-                                              rows.cache, rows.rows_in(), rows.rows.contiguous(), float(scale))
+    o = cpu_ext.ops().gdn_recurrent_rows_f32(*_step_operands(q, k, v, g, beta, cu), rows.cache, rows.rows_in(),
+                                              rows.rows.contiguous(), float(scale))
     return o.to(v.dtype)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_rl.kernels.gdn import CacheRows
+from titan_rl.kernels.gdn.cache_rows import CacheRows, gather_rows
 from titan_rl.kernels.reduction import broadcast_rows
 from titan_rl.models.common.transformer import MLP, Attention, CausalLM
 from titan_rl.models.layers import AttentionFn, Linear, RMSNorm
@@ -141,18 +141,7 @@ def carried_states(conv_cache: torch.Tensor, rec_cache: torch.Tensor, rows: torc
     leftovers), None (the kernels' own zero start) when no sequence has context."""
     if bool((rows >= 0).all()):
         return CacheRows(conv_cache, rows, has_context), CacheRows(rec_cache, rows, has_context)
-    return _gathered(conv_cache, rows, has_context), _gathered(rec_cache, rows, has_context)
-
-
-def _gathered(cache: torch.Tensor, rows: torch.Tensor, has_context: torch.Tensor) -> torch.Tensor | None:
-    if not bool(has_context.any()):
-        return None
-    # whole rows by index_select (a row copy each; advanced indexing gathers element by element);
-    # zeros put in only where some row has no context (a decode step has context everywhere)
-    got = cache.index_select(0, rows.remainder(cache.shape[0]))
-    if bool(has_context.all()):
-        return got
-    return torch.where(has_context.view(-1, *[1] * (got.dim() - 1)), got, 0.0)
+    return tuple(gather_rows(c, rows.remainder(c.shape[0]), has_context) for c in (conv_cache, rec_cache))
 
 
 def store_states(conv_cache: torch.Tensor, rec_cache: torch.Tensor, rows: torch.Tensor,
