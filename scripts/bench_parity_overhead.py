@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from titan_rl import quiet
+from titan_rl import malloc, quiet
 
 quiet.install()  # before torch, torchao and vLLM load
 
@@ -194,8 +194,9 @@ def bench_train(models, args):
         loss.backward()
         m.zero_grad(set_to_none=True)
 
-    for m in models.values():
-        step(m)  # warm-up
+    for _ in range(args.train_warmup):  # the heap reaches its high-water mark (titan_rl/malloc.py)
+        for m in models.values():
+            step(m)
     for _ in range(args.repeats):
         for e, m in models.items():
             t = time.perf_counter()
@@ -222,6 +223,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--train-batch", type=int, default=8)
     ap.add_argument("--train-len", type=int, default=256)
+    ap.add_argument("--train-warmup", type=int, default=2, help="untimed steps of each trainer before the timed ones")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-rollout", action="store_true")
     ap.add_argument("--no-compiled-stock", dest="compiled_stock", action="store_false",
@@ -235,7 +237,9 @@ def main(argv=None):
     label = args.checkpoint or (args.flavor + (f", {args.layers} layers" if args.layers else ""))
     res = {"model": label, "flavor": None if args.checkpoint else args.flavor, "layers": args.layers or None,
            "checkpoint": args.checkpoint, "prompt_len": args.prompt_len or "8..200", "dtype": args.dtype,
-           "threads": torch.get_num_threads(), "sampler": "shared" if args.shared_sampler else "own"}
+           "threads": torch.get_num_threads(), "sampler": "shared" if args.shared_sampler else "own",
+           # how this process's memory is kept (titan_rl/malloc.py): both columns run under it
+           "glibc_thresholds": malloc.apply(), "glibc_tcache_off": malloc.STARTED_WITH_TUNABLE}
     models = build_pair(args)
     cfg, arch, flops = models["exact"].cfg, _arch_name(models["exact"]), flop_counter(models["exact"])
     res["params"] = sum(p.numel() for p in models["exact"].parameters())
@@ -301,4 +305,7 @@ def _arch_name(model) -> str:
 
 
 if __name__ == "__main__":
+    from titan_rl.malloc import restart_with_tunables
+
+    restart_with_tunables()  # glibc reads its tcache tunable only at start (titan_rl/malloc.py)
     sys.exit(main())

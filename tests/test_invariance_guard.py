@@ -393,3 +393,44 @@ def test_glibc_keeps_freed_memory_unless_told_not_to():
         got[policy] = (applied, int(faults))
     assert got["keep"][0] == "True" and got["system"][0] == "False", got
     assert got["keep"][1] * 4 < got["system"][1], got
+
+
+def test_glibc_keeps_more_than_a_gib_freed_at_once():
+    """A step that frees several vocabulary-sized buffers together (SmolLM2's fp32 logits,
+    log-softmax and their gradients: 400 MB each) must get them back from the heap next step.
+    Two things stood in the way (titan_rl/malloc.py): a trim threshold of 1 GiB gave the freed
+    top of the heap back, and glibc's per-thread cache kept the small blocks between large
+    buffers, so a freed buffer could not merge and the next request took fresh memory. Three
+    buffers of 448 MB freed together, three rounds, in a program that starts as a main program
+    does (`restart_with_tunables` first, from an environment without the tunable): it restarts
+    itself once (same PID) and its later rounds fault (almost) nothing in, where glibc's
+    defaults fault every page each round."""
+    if os.uname().sysname != "Linux":
+        pytest.skip("glibc's thresholds are a Linux matter")
+    code = ("import os, sys\n"
+            "print('pid', os.getpid(), flush=True)\n"
+            "from titan_rl.malloc import restart_with_tunables\n"
+            "restart_with_tunables()\n"
+            "import resource, torch, titan_rl.malloc as m\n"
+            "def flt(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "per = []\n"
+            "for _ in range(3):\n"
+            "    f0 = flt(); bufs = [torch.empty(112 << 20).fill_(1.0) for _ in range(3)]\n"
+            "    per.append(flt() - f0); del bufs\n"
+            "print(m.apply(), m.STARTED_WITH_TUNABLE, per[1] + per[2])\n")
+    got = {}
+    for policy in ("keep", "system"):
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        env.update(TITAN_RL_MALLOC=policy, OMP_NUM_THREADS="1")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        pids = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("pid ")]
+        applied, started_with, faults = out.stdout.split()[-3:]
+        got[policy] = (pids, applied, started_with, int(faults))
+    pages = 2 * 3 * (448 << 20) // 4096  # the later rounds' pages
+    pids, applied, started_with, faults = got["keep"]
+    assert len(pids) == 2 and pids[0] == pids[1], got  # restarted once, in place
+    assert (applied, started_with) == ("True", "True") and faults < pages // 20, got
+    pids, applied, started_with, faults = got["system"]
+    assert len(pids) == 1 and (applied, started_with) == ("False", "False"), got
+    assert faults > pages // 2, got  # the probe sees faults where memory is given back

@@ -15,28 +15,70 @@ instead of 4.17-4.34 s (exact) and 3.64-3.71 s instead of 3.76-4.10 s (stock). T
 process's peak RSS went from 2.29 to 2.60-2.67 GB there (freed blocks are kept, so blocks of
 different sizes do not share pages as often).
 
-What. M_MMAP_THRESHOLD 1 GiB (blocks below it come from the heap and are reused) and
-M_TRIM_THRESHOLD 1 GiB (up to that much free memory stays at the top of the heap): a
-process keeps about its high-water mark resident, as the caching allocators of GPU
-frameworks do. Setting either fixes both in glibc (its automatic adjustment stops), so both
-are set; setting only the trim threshold made the same step 10% slower (every block over
-128 KiB mapped afresh). Nothing changes a bit of any result: where memory comes from is not
-arithmetic. TITAN_RL_MALLOC=system leaves glibc's defaults; other C libraries are left alone.
+What, at import:
+- M_MMAP_THRESHOLD, M_TRIM_THRESHOLD and M_TOP_PAD at the largest value mallopt takes (an
+  int: 2 GiB - 1): blocks below 2 GiB come from the heap; free memory at the top of the heap
+  is given back only beyond 2 GiB, and then 2 GiB of it is kept. Setting either threshold
+  fixes both in glibc (its automatic adjustment stops), so both are set; setting only the trim
+  threshold made the same step 10% slower (every block over 128 KiB mapped afresh).
+- GLIBC_TUNABLES gets glibc.malloc.tcache_count=0 for every process started from this one
+  (engine workers, torchrun ranks, test subprocesses); glibc reads it only when a process
+  starts, so a main program (`python -m titan_rl.train`, parity, eval, the benchmarks) starts
+  itself again with it (`restart_with_tunables`, before its work begins: one exec). A tcache
+  count already in GLIBC_TUNABLES (a user's) is left as it is.
+A process then keeps about its high-water mark resident, as the caching allocators of GPU
+frameworks do.
+
+Why the tcache (the mechanism as glibc's source reads; the cure is what was measured). torch allocates a large buffer with posix_memalign, and each tensor's small
+bookkeeping blocks land between consecutive large buffers; freed, those small blocks sit in
+glibc's per-thread cache, which never merges them with their neighbours, so a freed large
+buffer stays an island of exactly its own size, too small for the next identical request
+(memalign asks for the size plus alignment slack), and that request is served from fresh
+memory at the top of the heap: faulted in. Three 448 MB buffers allocated and freed in a loop
+faulted 344 thousand pages every round with the cache on, 0 after the first with it off.
+Why 2 GiB: at 1 GiB (until 2026-12-06) a step that frees several vocabulary-sized buffers at
+once (SmolLM2's fp32 logits, their log-softmax and gradients: 400 MB each at 8 x 256 tokens)
+left more than 1 GiB free at the top of the heap, glibc gave it back, and the next step
+faulted it in again.
+Measured (Intel Xeon, one thread, 2026-12-06; the trainer benchmark's three columns in one
+process, SmolLM2 fp32 8 x 256): at 1 GiB with the cache, 0-393 thousand faults a step,
+irregularly, in every column (the exact step's log-softmax 209 ms against stock's 120 ms on the
+same shapes: the faults); with both changes none from the third step on in any column (the
+exact one from the second), and peak RSS 7.4 -> 7.1 GB. Nothing changes a bit of any result: where
+memory comes from is not arithmetic. TITAN_RL_MALLOC=system leaves glibc's defaults and the
+environment alone; other C libraries are left alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-LIMIT = 1 << 30
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters (malloc.h)
+LIMIT = (1 << 31) - 1
+TUNABLE = "glibc.malloc.tcache_count=0"
 
 _applied: bool | None = None
 
 
+def _tunables() -> list[str]:
+    return [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
+
+
+def _tcache_decided() -> bool:
+    """Whether the environment already names a tcache count (ours, or one a user chose: kept)."""
+    return any(t.startswith("glibc.malloc.tcache_count=") for t in _tunables())
+
+
+# what glibc read when this process started (before apply() exports the tunable)
+STARTED_WITH_TUNABLE = TUNABLE in _tunables()
+_STARTED_DECIDED = _tcache_decided()
+
+
 def apply() -> bool:
-    """Set glibc's thresholds once per process; True when they are in force."""
+    """Set glibc's thresholds once per process and export the tunable to the processes started
+    from it; True when the thresholds are in force."""
     global _applied
     if _applied is None:
         _applied = False
@@ -44,7 +86,20 @@ def apply() -> bool:
             try:
                 libc = ctypes.CDLL(None)
                 libc.gnu_get_libc_version  # glibc only  # noqa: B018
-                _applied = bool(libc.mallopt(M_MMAP_THRESHOLD, LIMIT)) and bool(libc.mallopt(M_TRIM_THRESHOLD, LIMIT))
+                _applied = all(bool(libc.mallopt(p, LIMIT)) for p in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD))
             except (OSError, AttributeError):
                 pass
+            if _applied and not _tcache_decided():
+                os.environ["GLIBC_TUNABLES"] = ":".join([*_tunables(), TUNABLE])
     return _applied
+
+
+def restart_with_tunables() -> None:
+    """For a main program, before its work: where glibc's thresholds are in force but this
+    process started without a tcache count in GLIBC_TUNABLES, start it again (the same
+    interpreter, options and arguments, the same PID) with ours. Does nothing otherwise (a
+    count the user set is kept), so it runs at most once."""
+    if apply() and not _STARTED_DECIDED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, sys.orig_argv)
