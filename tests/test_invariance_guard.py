@@ -364,14 +364,23 @@ def test_on_amx_the_uncapped_bf16_gemm_is_caught_and_the_fp32_form_taken():
     assert mm.bf16_gemm() == "native"
 
 
+_LINUX_ONLY = pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's thresholds are a Linux matter")
+
+
+def _malloc_probe(code: str, env: dict) -> str:
+    """The stdout of `python -c code` under env (a fresh process: glibc's choices are per process)."""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@_LINUX_ONLY
 def test_glibc_keeps_freed_memory_unless_told_not_to():
     """titan_rl's import sets glibc's thresholds (titan_rl/malloc.py), so a training step's
     buffers come back from the heap instead of being faulted in afresh every step (a zeroed
     4 KiB page each, about 1 us); TITAN_RL_MALLOC=system leaves glibc's defaults. A 2-layer
     small-flavor exact step (4 x 128 tokens) measured 5.5 thousand minor faults against 89
     thousand (Intel Xeon, 2026-12-05)."""
-    if os.uname().sysname != "Linux":
-        pytest.skip("glibc's thresholds are a Linux matter")
     code = ("import resource, torch, titan_rl.malloc as m\n"
             "from titan_rl.models.qwen3 import build\n"
             "from titan_rl.models.options import ModelOptions\n"
@@ -386,15 +395,13 @@ def test_glibc_keeps_freed_memory_unless_told_not_to():
             "print(m.apply(), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) // 3)\n")
     got = {}
     for policy in ("keep", "system"):
-        env = {**os.environ, "TITAN_RL_MALLOC": policy}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        applied, faults = out.stdout.split()[-2:]
+        applied, faults = _malloc_probe(code, {**os.environ, "TITAN_RL_MALLOC": policy}).split()[-2:]
         got[policy] = (applied, int(faults))
     assert got["keep"][0] == "True" and got["system"][0] == "False", got
     assert got["keep"][1] * 4 < got["system"][1], got
 
 
+@_LINUX_ONLY
 def test_glibc_keeps_more_than_a_gib_freed_at_once():
     """A step that frees several vocabulary-sized buffers together (SmolLM2's fp32 logits,
     log-softmax and their gradients: 400 MB each) must get them back from the heap next step.
@@ -405,8 +412,6 @@ def test_glibc_keeps_more_than_a_gib_freed_at_once():
     does (`restart_with_tunables` first, from an environment without the tunable): it restarts
     itself once (same PID) and its later rounds fault (almost) nothing in, where glibc's
     defaults fault every page each round."""
-    if os.uname().sysname != "Linux":
-        pytest.skip("glibc's thresholds are a Linux matter")
     code = ("import os, sys\n"
             "print('pid', os.getpid(), flush=True)\n"
             "from titan_rl.malloc import restart_with_tunables\n"
@@ -421,11 +426,9 @@ def test_glibc_keeps_more_than_a_gib_freed_at_once():
     got = {}
     for policy in ("keep", "system"):
         env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-        env.update(TITAN_RL_MALLOC=policy, OMP_NUM_THREADS="1")
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        pids = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("pid ")]
-        applied, started_with, faults = out.stdout.split()[-3:]
+        stdout = _malloc_probe(code, {**env, "TITAN_RL_MALLOC": policy, "OMP_NUM_THREADS": "1"})
+        pids = [line.split()[1] for line in stdout.splitlines() if line.startswith("pid ")]
+        applied, started_with, faults = stdout.split()[-3:]
         got[policy] = (pids, applied, started_with, int(faults))
     pages = 2 * 3 * (448 << 20) // 4096  # the later rounds' pages
     pids, applied, started_with, faults = got["keep"]
