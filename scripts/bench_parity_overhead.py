@@ -239,7 +239,7 @@ def main(argv=None):
            "checkpoint": args.checkpoint, "prompt_len": args.prompt_len or "8..200", "dtype": args.dtype,
            "threads": torch.get_num_threads(), "sampler": "shared" if args.shared_sampler else "own",
            # how this process's memory is kept (titan_rl/malloc.py): both columns run under it
-           "glibc_thresholds": malloc.apply(), "glibc_tcache_off": malloc.STARTED_WITH_TUNABLE}
+           "glibc_keeps_memory": malloc.apply(), "glibc_tunables": malloc.STARTED_WITH_TUNABLES}
     models = build_pair(args)
     cfg, arch, flops = models["exact"].cfg, _arch_name(models["exact"]), flop_counter(models["exact"])
     res["params"] = sum(p.numel() for p in models["exact"].parameters())

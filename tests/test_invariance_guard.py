@@ -367,6 +367,12 @@ def test_on_amx_the_uncapped_bf16_gemm_is_caught_and_the_fp32_form_taken():
 _LINUX_ONLY = pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's thresholds are a Linux matter")
 
 
+def _env_without_tunables() -> dict:
+    """This environment as a shell would give it: without the GLIBC_TUNABLES titan_rl's import
+    exported here (a process started with them keeps memory whatever its policy)."""
+    return {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+
+
 def _malloc_probe(code: str, env: dict) -> str:
     """The stdout of `python -c code` under env (a fresh process: glibc's choices are per process)."""
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -376,7 +382,8 @@ def _malloc_probe(code: str, env: dict) -> str:
 
 @_LINUX_ONLY
 def test_glibc_keeps_freed_memory_unless_told_not_to():
-    """titan_rl's import sets glibc's thresholds (titan_rl/malloc.py), so a training step's
+    """titan_rl's import sets glibc's thresholds through mallopt in a process that did not start
+    with its tunables (titan_rl/malloc.py; the other way is the next test's), so a training step's
     buffers come back from the heap instead of being faulted in afresh every step (a zeroed
     4 KiB page each, about 1 us); TITAN_RL_MALLOC=system leaves glibc's defaults. A 2-layer
     small-flavor exact step (4 x 128 tokens) measured 5.5 thousand minor faults against 89
@@ -395,7 +402,7 @@ def test_glibc_keeps_freed_memory_unless_told_not_to():
             "print(m.apply(), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) // 3)\n")
     got = {}
     for policy in ("keep", "system"):
-        applied, faults = _malloc_probe(code, {**os.environ, "TITAN_RL_MALLOC": policy}).split()[-2:]
+        applied, faults = _malloc_probe(code, {**_env_without_tunables(), "TITAN_RL_MALLOC": policy}).split()[-2:]
         got[policy] = (applied, int(faults))
     assert got["keep"][0] == "True" and got["system"][0] == "False", got
     assert got["keep"][1] * 4 < got["system"][1], got
@@ -409,7 +416,7 @@ def test_glibc_keeps_more_than_a_gib_freed_at_once():
     top of the heap back, and glibc's per-thread cache kept the small blocks between large
     buffers, so a freed buffer could not merge and the next request took fresh memory. Three
     buffers of 448 MB freed together, three rounds, in a program that starts as a main program
-    does (`restart_with_tunables` first, from an environment without the tunable): it restarts
+    does (`restart_with_tunables` first, from an environment without the tunables): it restarts
     itself once (same PID) and its later rounds fault (almost) nothing in, where glibc's
     defaults fault every page each round."""
     code = ("import os, sys\n"
@@ -422,11 +429,10 @@ def test_glibc_keeps_more_than_a_gib_freed_at_once():
             "for _ in range(3):\n"
             "    f0 = flt(); bufs = [torch.empty(112 << 20).fill_(1.0) for _ in range(3)]\n"
             "    per.append(flt() - f0); del bufs\n"
-            "print(m.apply(), m.STARTED_WITH_TUNABLE, per[1] + per[2])\n")
+            "print(m.apply(), m.STARTED_WITH_TUNABLES, per[1] + per[2])\n")
     got = {}
     for policy in ("keep", "system"):
-        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-        stdout = _malloc_probe(code, {**env, "TITAN_RL_MALLOC": policy, "OMP_NUM_THREADS": "1"})
+        stdout = _malloc_probe(code, {**_env_without_tunables(), "TITAN_RL_MALLOC": policy, "OMP_NUM_THREADS": "1"})
         pids = [line.split()[1] for line in stdout.splitlines() if line.startswith("pid ")]
         applied, started_with, faults = stdout.split()[-3:]
         got[policy] = (pids, applied, started_with, int(faults))
