@@ -84,5 +84,5 @@ def main() -> None:
 if __name__ == "__main__":
     from titan_rl.malloc import restart_with_tunables
 
-    restart_with_tunables()  # glibc reads its tcache tunable only at start (titan_rl/malloc.py)
+    restart_with_tunables()  # glibc reads its malloc tunables only at start (titan_rl/malloc.py)
     main()
