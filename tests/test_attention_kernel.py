@@ -10,11 +10,14 @@ ratios 1/2/4/8, fp32 and bf16, torch threads 1 and 2.
 Closeness to the fp64 reference: the output is a convex combination of value rows
 (|o| <= max |v| ~ 4 for randn inputs); fp32 arithmetic over <= 300 positions stays
 within 1e-5 absolute (measured ~6e-7); bf16 outputs are rounded to 8 mantissa bits
-(2^-8 relative of |o| <= 4: 1.6e-2), so 2e-2 absolute. The bf16 dpbf16 form also rounds
-the softmax weights to bf16 (2^-9 relative each; measured max error 8.8e-3 against the
-fp32 form's 7.8e-3 at L = 300), inside the same bound.
+(2^-8 relative of |o| <= 4: 1.6e-2), so 2e-2 absolute. The bf16 dpbf16 and amx forms also
+round the softmax weights to bf16 (2^-9 relative each; measured max error 8.8e-3 against the
+fp32 form's 7.8e-3 at L = 300), inside the same bound. The amx form is also held bit for bit
+to its arithmetic written out (reference.attention_amx_form).
 """
 
+import ctypes
+import ctypes.util
 import random
 
 import pytest
@@ -22,14 +25,15 @@ import torch
 
 from titan_rl.kernels import attention_dense, attention_paged
 from titan_rl.kernels.attention import torch_impl
-from titan_rl.kernels.attention.reference import attention_reference
+from titan_rl.kernels.attention.reference import attention_amx_form, attention_reference
 from titan_rl.kernels.attention.torch_impl import kv_cache_write
 
 DTYPES = [torch.float32, torch.bfloat16]
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 LAYOUTS = [(64, 1), (64, 2), (128, 4), (256, 8), (128, 1), (80, 2)]  # (head_dim, GQA ratio)
-# bf16's two forms (torch_impl.ATTN_FORM): every test runs each form this CPU has
-FORMS = ["fp32"] + (["dpbf16"] if torch_impl._dpbf16_available() else [])
+# bf16's forms (torch_impl.ATTN_FORM): every test runs each form this CPU has
+FORMS = (["fp32"] + (["dpbf16"] if torch_impl._dpbf16_available() else [])
+         + (["amx"] if torch_impl._amx_available() else []))
 
 
 @pytest.fixture(autouse=True, params=FORMS)
@@ -86,6 +90,28 @@ def test_dense_matches_reference(D, G, dtype, rng):
     got = attention_dense(q, k, v, D**-0.5)
     ref = attention_reference(q.double(), k.double(), v.double(), D**-0.5)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("L,D,G", [(37, 80, 3), (301, 64, 2), (33, 48, 1), (19, 128, 4)])
+def test_the_amx_form_computes_its_written_out_arithmetic(L, D, G, attn_form, rng):
+    """torch.equal against kernels/attention/reference.py's attention_amx_form, which spells out
+    the form's sums (tdpbf16ps's even / odd chains per 32 dims of the scores and per 16
+    positions of the values, exp_f, the lane sums), at odd lengths and head sizes whose last
+    score chunk is short (80, 48): the bf16 output and the fp32 log-sum-exp (max + logf(sum),
+    libm's logf as the kernel calls it). The dpbf16 form sums the scores in another order: its
+    log-sum-exps differ, so the check can fail."""
+    if attn_form == "fp32":
+        pytest.skip("the reference is of the bf16 pair-layout forms' amx arithmetic")
+    q, k, v = (torch.randn(L, h, D, generator=rng).bfloat16() for h in (2 * G, 2, 2))
+    got, lse = torch_impl._dense_forward(q[None], k[None], v[None], D**-0.5, with_lse=True)
+    out, rmax, rsum = attention_amx_form(q, k, v, D**-0.5)
+    logf = ctypes.CDLL(ctypes.util.find_library("m")).logf
+    logf.restype, logf.argtypes = ctypes.c_float, [ctypes.c_float]
+    want_lse = rmax + torch.tensor([logf(x) for x in rsum.flatten().tolist()], dtype=torch.float32).view_as(rsum)
+    if attn_form == "amx":
+        assert torch.equal(got[0], out) and torch.equal(lse[0], want_lse)
+    else:
+        assert not torch.equal(lse[0], want_lse)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -10,16 +10,19 @@ thread count. The kernel reads keys and values in place through a page table.
 The cache layout is ours (`kv_cache_write` is the one writer): vLLM's CPU cache
 [pages, Hkv, 2, page, D] holds, per page and kv head, the keys TRANSPOSED ([D, page]:
 the scores of 16 consecutive positions are one vector operation per d) and then the
-values ([page, D]); the bf16 form stores both in pairs (keys [D/2, page, 2], values
-[page/2, D, 2]: what one bf16 dot-product instruction reads is one cache line). The trainer's dense keys and values go in as a copy in pages of
-DENSE_PAGE positions, in the layout of the form.
+values ([page, D]); the bf16 forms store both in pairs (keys [D/2, page, 2], values
+[page/2, D, 2]: what one bf16 dot-product instruction reads is one cache line, and the tile
+operand layout the amx form loads). The trainer's dense keys and values go in as a copy in
+pages of DENSE_PAGE positions, in the layout of the form.
 
-Two forms for bf16 queries and caches, chosen once per platform (`ATTN_FORM`, reported by
-the self-check and the execution contract): "dpbf16" where the CPU has AVX512-BF16 (scores
-and the value sum by its bf16 dot product, the softmax weights rounded to bf16 for the
-value sum, as flash attention does; ~2x the fp32 form's speed at long prompts), else
-"fp32" (bf16 operands widened, fp32 FMAs). fp32 models always run the fp32 form. Either
-way trainer and engine call the same form, so they agree bit for bit.
+Three forms for bf16 queries and caches, chosen once per platform (`ATTN_FORM`, reported by
+the self-check and the execution contract): "amx" where the CPU has AMX-BF16 (scores and the
+value sum by tile dot products, tdpbf16ps, whose per-output sums are spelled out in
+reference.attention_amx_form; ~2.7x the dpbf16 form's speed at 4096 tokens), "dpbf16" where it
+has AVX512-BF16 (the same passes by the vector bf16 dot product), else "fp32" (bf16 operands
+widened, fp32 FMAs). The bf16 forms round the softmax weights to bf16 for the value sum, as
+flash attention does, and share the cache's pair layout. fp32 models always run the fp32 form.
+Each form has its own bits; trainer and engine call the same form, so they agree bit for bit.
 
 The backward (trainer only) is the gradient of the same function computed by torch's SDPA
 flash backward from the kernel's output and its rows' log-sum-exps (`paged_attention_lse`):
@@ -41,12 +44,24 @@ def _dpbf16_available() -> bool:
         return False
 
 
-ATTN_FORM = "dpbf16" if _dpbf16_available() else "fp32"
+def _amx_available() -> bool:
+    try:
+        return bool(_ops().paged_attention_amx_available())
+    except (RuntimeError, OSError):
+        return False
+
+
+ATTN_FORM = "amx" if _amx_available() else "dpbf16" if _dpbf16_available() else "fp32"
+PAIR_FORMS = ("dpbf16", "amx")  # the forms whose cache is in the pair layout
 
 
 def _dots(dtype: torch.dtype, head_dim: int) -> bool:
-    """The bf16 form for this cache: its writer (pair layout) and its reader agree on it."""
-    return ATTN_FORM == "dpbf16" and dtype == torch.bfloat16 and head_dim <= 256
+    """A pair-layout form for this cache: its writer (pair layout) and its reader agree on it."""
+    return ATTN_FORM in PAIR_FORMS and dtype == torch.bfloat16 and head_dim <= 256
+
+
+def _amx(dots: bool) -> bool:
+    return dots and ATTN_FORM == "amx"
 
 
 DENSE_PAGE = 64  # positions per page of the trainer's copy (a multiple of LANES)
@@ -75,9 +90,10 @@ def _dense_forward(q, k, v, scale, with_lse: bool = False):
     seq_lens = torch.full((B,), L, device=dev, dtype=torch.long)
     pages = torch.arange(B * n_pages, device=dev).view(B, n_pages)
     if with_lse:  # and each row's log-sum-exp [B, L, H] (fp32), for the backward
-        out, lse = _ops().paged_attention_lse(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots)
+        out, lse = _ops().paged_attention_lse(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots,
+                                              _amx(dots))
         return out.view(B, L, H, D), lse.view(B, L, H)
-    out = _ops().paged_attention(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots)
+    out = _ops().paged_attention(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots, _amx(dots))
     return out.view(B, L, H, D)
 
 
@@ -145,4 +161,4 @@ def attention_paged(
     dots = _dots(kv_cache.dtype, kv_cache.shape[-1])
     if dots and q.dtype != torch.bfloat16:
         raise TypeError(f"attention_paged: a bfloat16 cache in the bf16 form takes bfloat16 queries; got {q.dtype}")
-    return _ops().paged_attention(q, kt, vv, query_start_loc, seq_lens, block_table, scale, dots)
+    return _ops().paged_attention(q, kt, vv, query_start_loc, seq_lens, block_table, scale, dots, _amx(dots))

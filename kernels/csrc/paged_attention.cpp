@@ -36,6 +36,11 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TITAN_RL_ATTN_DPBF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TITAN_RL_ATTN_AMX 1
+#endif
 #endif
 
 namespace titan_rl {
@@ -76,6 +81,89 @@ inline float softmax_weights(float* __restrict sg, int64_t n, float* m_out) {
   for (int64_t j = full; j < n; ++j) lanes[j - full] = lanes[j - full] + sg[j];
   return lane_tree(lanes);
 }
+
+#ifdef TITAN_RL_ATTN_DPBF16
+// exp_f (common.h) on 16 lanes: the same IEEE operations in the same order (the clamps as
+// max / min with the scalar form's NaN behaviour: vmaxps returns its second operand when
+// unordered), so every lane has the scalar function's bits.
+// NONPOS: x <= 0 or NaN (a score minus the scores' max), where the upper clamp is the identity.
+template <bool NONPOS = false>
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+  if (!NONPOS) x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, z), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// f_to_bf16 on 16 lanes (round to nearest even, NaN to 0x7FC0), narrowed to 16 bf16. Where
+// every lane is a normal number (the softmax weights but for the clamp's ~2^-126 end),
+// vcvtneps2bf16's rounding is the same (its NaN and subnormal rules are not): one instruction.
+inline __m256i bf16x16(__m512 f) {
+  if (_mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(1.17549435e-38f), _CMP_GE_OQ) == 0xFFFF)
+    return (__m256i)_mm512_cvtneps_pbh(f);
+  const __m512i b = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// The bf16 forms' pass 2 for one row: softmax_weights over s_j * scale (SCALE) or s_j, with
+// the weights rounded to bf16 into pb[0, n) instead of stored; the same operations and order
+// (the max over LANES lanes then a tail in lane 0, the sum over lanes then the tree).
+template <bool SCALE>
+inline float softmax_weights_bf16(const float* __restrict sg, int64_t n, float scale, float* m_out,
+                                  uint16_t* __restrict pb) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  auto at = [&](int64_t j) { return SCALE ? sg[j] * scale : sg[j]; };
+  const int64_t full = n - n % LANES;
+  __m512 lm = _mm512_set1_ps(at(0));
+  for (int64_t j0 = 0; j0 < full; j0 += LANES) {
+    __m512 x = _mm512_loadu_ps(sg + j0);
+    if (SCALE) x = _mm512_mul_ps(x, sv);
+    lm = _mm512_max_ps(x, lm);  // x > lm ? x : lm
+  }
+  float lmv[LANES];
+  _mm512_storeu_ps(lmv, lm);
+  for (int64_t j = full; j < n; ++j) lmv[0] = at(j) > lmv[0] ? at(j) : lmv[0];
+  float m = lmv[0];
+  for (int l = 1; l < LANES; ++l) m = lmv[l] > m ? lmv[l] : m;
+  *m_out = m;
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < full; j0 += LANES) {
+    __m512 x = _mm512_loadu_ps(sg + j0);
+    if (SCALE) x = _mm512_mul_ps(x, sv);
+    const __m512 e = exp16<true>(_mm512_sub_ps(x, mv));
+    lanes = _mm512_add_ps(lanes, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j0), bf16x16(e));
+  }
+  if (full < n) {  // the tail: lanes 0..n-full-1, the others untouched
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - full)) - 1u);
+    __m512 x = _mm512_maskz_loadu_ps(k, sg + full);
+    if (SCALE) x = _mm512_mul_ps(x, sv);
+    const __m512 e = exp16<true>(_mm512_sub_ps(x, mv));
+    lanes = _mm512_mask_add_ps(lanes, k, lanes, e);
+    _mm256_mask_storeu_epi16(pb + full, k, bf16x16(e));
+  }
+  float lv[LANES];
+  _mm512_storeu_ps(lv, lanes);
+  return lane_tree(lv);
+}
+#endif
 
 // For each of NR rows r (accumulators DC apart, weights pstride apart):
 // acc_r[d] = fma(p_r[j], v_j[d], acc_r[d]) for j = 0..n-1 in order (v rows of DC floats). The
@@ -215,9 +303,40 @@ inline void accumulate_rows_dpbf16(float* acc, const uint16_t* pb, int64_t wstri
 }
 #endif
 
+#ifdef TITAN_RL_ATTN_DPBF16
+// The pair layout's key block at position j0 (a multiple of LANES): d-pair p's 16 positions x 2
+// are 64 contiguous bytes, the next d-pair 2 * page elements on.
+inline const uint16_t* key_pairs(const c10::BFloat16* kc, const int64_t* k_st, const int64_t* row_bt, int64_t page,
+                                 int64_t h, int64_t j0) {
+  return reinterpret_cast<const uint16_t*>(kc + row_bt[j0 / page] * k_st[0] + h * k_st[1]) + (j0 % page) * 2;
+}
+#endif
+
+// Rows [0, r_end) of a tile (nt tokens x G heads, token-major) see position j0.
+inline int64_t rows_seeing(const int64_t* n_row, int64_t nt, int64_t G, int64_t j0) {
+  int64_t r_end = 0;
+  for (int64_t i = 0; i < nt; ++i)
+    if (n_row[i] > j0) r_end = (i + 1) * G;
+  return r_end;
+}
+
 bool dpbf16_form_available() {
 #ifdef TITAN_RL_ATTN_DPBF16
   return true;
+#else
+  return false;
+#endif
+}
+
+// The amx form needs the instructions in the binary (a -march=native build on an AMX CPU) and
+// the OS's leave to use the tiles' register state, which Linux grants a process on request.
+bool amx_form_available() {
+#ifdef TITAN_RL_ATTN_AMX
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
 #else
   return false;
 #endif
@@ -240,11 +359,8 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
       std::memcpy(qp + (i * G + g) * DP, q + (t0 + i) * q_t + (h * G + g) * q_h, D * sizeof(uint16_t));
   // Pass 1: scores; a block's d-pair p is 64 contiguous bytes, the next p a page on.
   for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
-    const uint16_t* kp =
-        reinterpret_cast<const uint16_t*>(kc + row_bt[j0 / page] * k_st[0] + h * k_st[1]) + (j0 % page) * 2;
-    int64_t r_end = 0;
-    for (int64_t i = 0; i < nt; ++i)
-      if (n_row[i] > j0) r_end = (i + 1) * G;
+    const uint16_t* kp = key_pairs(kc, k_st, row_bt, page, h, j0);
+    const int64_t r_end = rows_seeing(n_row, nt, G, j0);
     int64_t r = 0;
     for (; r + 4 <= r_end; r += 4)
       block_scores_dpbf16<4>(qp + r * DP, DP, kp, 2 * page, D, scale, sc + r * n_pad + j0, n_pad);
@@ -252,12 +368,8 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
   }
   // Pass 2: softmax weights (fp32) and their sum; the weights rounded to bf16 for pass 3.
   pbuf.resize(R * n_pad);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = n_row[r / G];
-    float* sr = sc + r * n_pad;
-    lsum[r] = softmax_weights(sr, n, rmax + r);
-    for (int64_t j = 0; j < n; ++j) pbuf[r * n_pad + j] = f_to_bf16(sr[j]);
-  }
+  for (int64_t r = 0; r < R; ++r)
+    lsum[r] = softmax_weights_bf16<false>(sc + r * n_pad, n_row[r / G], 1.0f, rmax + r, pbuf.data() + r * n_pad);
   // Pass 3: a block's position pairs are consecutive [D, 2] runs.
   for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
   for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
@@ -279,6 +391,137 @@ inline void attention_tile_dpbf16(const c10::BFloat16* q, int64_t q_t, int64_t q
       r += nr;
     }
   }
+}
+#endif
+
+#ifdef TITAN_RL_ATTN_AMX
+// The amx form (bf16 queries and cache in the pair layout, the CPU has AMX-BF16; chosen per
+// call by the caller). Its arithmetic is what one tdpbf16ps computes per output (read off
+// the instruction's outputs, docs/kernels.md "The amx form"): over its k-pairs in order, the
+// even products summed in one fp32 chain from +0, the odd products in another, then
+// C + (even + odd), every add rounded to nearest, subnormals flushed. So, per row:
+//   scores s_j = C * scale, C = sum over 32-dim chunks (16 d-pairs, the last one 8 when D is
+//     not a multiple of 32) of (E + O) in chunk order, E / O the chains over the chunk's even
+//     / odd dims of q_d k_jd;
+//   m, p_j, l as in the fp32 form; p_j rounded to bf16 (+0 past the row's position);
+//   acc_d = sum over 16-position blocks (at absolute positions 16b) of (E + O) in block
+//     order, E / O the chains over the block's even / odd positions of p_j v_jd;
+//   out = acc / l, rounded to bf16.
+// Everything is fixed by the row's own position: each output of a tile operation depends on
+// its own row of A and column of B only, so the rows sharing a tile (up to 16, padded with
+// zero queries) and the threads change nothing. Positions past a row's own within its last
+// block add (+0 * v) = +-0 to chains that start at +0, which leaves them unchanged: those v
+// are cache entries of this call's or earlier tokens (finite for a finite model); slots past
+// the tile's last position may be uninitialised memory and are read from a zeroed copy.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t AMX_ROWS = 16;
+
+inline void attention_tile_amx(const c10::BFloat16* q, int64_t q_t, int64_t q_h, const c10::BFloat16* kc,
+                               const c10::BFloat16* vc, const int64_t* k_st, const int64_t* v_st,
+                               const int64_t* row_bt, int64_t page, int64_t h, int64_t G, int64_t D, int64_t t0,
+                               int64_t nt, const int64_t* n_row, int64_t n_max, int64_t n_pad, float scale,
+                               std::vector<uint16_t>& qp, std::vector<float>& sc, std::vector<uint16_t>& pbuf,
+                               std::vector<uint16_t>& vlast, float* lsum, float* rmax, std::vector<float>& acc) {
+  const int64_t R = nt * G, groups = (R + AMX_ROWS - 1) / AMX_ROWS, R16 = groups * AMX_ROWS, DP = D / 2;
+  qp.assign(R16 * D, 0);
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(qp.data() + (i * G + g) * D, q + (t0 + i) * q_t + (h * G + g) * q_h, D * sizeof(uint16_t));
+  sc.resize(R16 * n_pad);
+  // Pass 1: per 16-position block and group of 16 rows, C = sum over d-chunks of A (queries,
+  // 16 rows x kp pairs) times B (the block's keys, kp d-pairs x 16 positions x 2), stored
+  // straight into the scores (scaled in pass 2).
+  const int64_t kp_full = std::min<int64_t>(DP, 16), kp_last = DP % 16 ? DP % 16 : kp_full;
+  TileConfig c1;
+  c1.rows[0] = AMX_ROWS, c1.colsb[0] = 64;                              // C: 16 rows x 16 fp32
+  c1.rows[1] = AMX_ROWS, c1.colsb[1] = static_cast<uint16_t>(kp_full * 4);  // A, full chunk
+  c1.rows[2] = static_cast<uint8_t>(kp_full), c1.colsb[2] = 64;          // B, full chunk
+  c1.rows[3] = AMX_ROWS, c1.colsb[3] = static_cast<uint16_t>(kp_last * 4);  // A, last chunk
+  c1.rows[4] = static_cast<uint8_t>(kp_last), c1.colsb[4] = 64;          // B, last chunk
+  _tile_loadconfig(&c1);
+  const int64_t chunks = (DP + 15) / 16;
+  for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
+    const uint16_t* kp = key_pairs(kc, k_st, row_bt, page, h, j0);
+    const int64_t r_end = rows_seeing(n_row, nt, G, j0);
+    for (int64_t g0 = 0; g0 < r_end; g0 += AMX_ROWS) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* a = qp.data() + g0 * D + c * 32;
+        const uint16_t* b = kp + c * 16 * 2 * page;
+        if (c + 1 < chunks || kp_last == kp_full) {
+          _tile_loadd(1, a, D * 2);
+          _tile_loadd(2, b, page * 4);
+          _tile_dpbf16ps(0, 1, 2);
+        } else {
+          _tile_loadd(3, a, D * 2);
+          _tile_loadd(4, b, page * 4);
+          _tile_dpbf16ps(0, 3, 4);
+        }
+      }
+      _tile_stored(0, sc.data() + g0 * n_pad + j0, n_pad * 4);
+    }
+  }
+  // Pass 2: scale, softmax weights (fp32) and their sum; the weights rounded to bf16, +0 from
+  // the row's position to the end of its row (the blocks its group reads past it).
+  pbuf.resize(R16 * n_pad);  // rows past R: any bits (a tile row changes only its own outputs)
+  for (int64_t r = 0; r < R; ++r) {
+    uint16_t* pb = pbuf.data() + r * n_pad;
+    const int64_t n = n_row[r / G];
+    lsum[r] = softmax_weights_bf16<true>(sc.data() + r * n_pad, n, scale, rmax + r, pb);
+    std::memset(pb + n, 0, (n_pad - n) * sizeof(uint16_t));
+  }
+  // The last block's slots past n_max from a zeroed copy ([8 pairs][D][2]).
+  const int64_t jl = n_max / LANES * LANES;
+  if (jl < n_max) {
+    vlast.assign(LANES * D, 0);
+    const uint16_t* src =
+        reinterpret_cast<const uint16_t*>(vc + row_bt[jl / page] * v_st[0] + h * v_st[1]) + (jl % page) * D;
+    for (int64_t j = 0; j < n_max - jl; ++j)
+      for (int64_t d = 0; d < D; ++d) vlast[(j / 2) * 2 * D + 2 * d + (j & 1)] = src[(j / 2) * 2 * D + 2 * d + (j & 1)];
+  }
+  // Pass 3: per group of 16 rows and 64 output dims, four C tiles accumulate A (weights, 16
+  // rows x 8 position pairs) times B (the block's values, 8 pairs x 16 dims x 2).
+  TileConfig c3;
+  for (int t = 0; t < 4; ++t) c3.rows[t] = AMX_ROWS, c3.colsb[t] = 64;
+  c3.rows[4] = AMX_ROWS, c3.colsb[4] = 32;
+  c3.rows[5] = LANES / 2, c3.colsb[5] = 64;
+  _tile_loadconfig(&c3);
+  acc.resize(R16 * D);
+  for (int64_t g0 = 0; g0 < R; g0 += AMX_ROWS) {
+    const int64_t g_n = n_row[(std::min(g0 + AMX_ROWS, R) - 1) / G];  // the group's last row sees the most
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nc = std::min<int64_t>(4, (D - d0) / 16);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t j0 = 0; j0 < g_n; j0 += LANES) {
+        const uint16_t* vp =
+            j0 == jl ? vlast.data()
+                     : reinterpret_cast<const uint16_t*>(vc + row_bt[j0 / page] * v_st[0] + h * v_st[1]) + (j0 % page) * D;
+        _tile_loadd(4, pbuf.data() + g0 * n_pad + j0, n_pad * 2);
+#define TITAN_AMX_PV(t)                                    \
+  if (t < nc) {                                            \
+    _tile_loadd(5, vp + (d0 + 16 * t) * 2, D * 4);         \
+    _tile_dpbf16ps(t, 4, 5);                               \
+  }
+        TITAN_AMX_PV(0) TITAN_AMX_PV(1) TITAN_AMX_PV(2) TITAN_AMX_PV(3)
+#undef TITAN_AMX_PV
+      }
+      float* o = acc.data() + g0 * D + d0;
+      if (nc > 0) _tile_stored(0, o, D * 4);
+      if (nc > 1) _tile_stored(1, o + 16, D * 4);
+      if (nc > 2) _tile_stored(2, o + 32, D * 4);
+      if (nc > 3) _tile_stored(3, o + 48, D * 4);
+    }
+  }
+  _tile_release();
 }
 #endif
 
@@ -327,13 +570,16 @@ template <typename TQ, typename C>
 void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C* vc, const int64_t* k_st,
                     const int64_t* v_st, const int64_t* qsl, const int64_t* seq_lens, const int64_t* bt,
                     int64_t bt_s, int64_t page, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale,
-                    TQ* out, bool dots, float* lse) {
+                    TQ* out, bool dots, bool amx, float* lse) {
   const int64_t G = H / Hkv;
 #ifdef TITAN_RL_ATTN_DPBF16
   constexpr bool BF16_BOTH = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
 #else
   constexpr bool BF16_BOTH = false;
   (void)dots;
+#endif
+#ifndef TITAN_RL_ATTN_AMX
+  (void)amx;
 #endif
   const int64_t qtile = BF16_BOTH && dots ? QTILE_BF16 : QTILE;
   std::vector<int64_t> tiles;  // (s, t0, t1) triples
@@ -350,6 +596,10 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 #ifdef TITAN_RL_ATTN_DPBF16
     std::vector<uint32_t> qp(BF16_BOTH && dots ? qtile * G * D / 2 : 0);
     std::vector<uint16_t> pbuf;
+#endif
+#ifdef TITAN_RL_ATTN_AMX
+    std::vector<uint16_t> qp16, vlast;
+    std::vector<float> acc16;
 #endif
     int64_t n_row[QTILE_MAX];
     for (int64_t item = begin; item < end; ++item) {
@@ -370,6 +620,14 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 #ifdef TITAN_RL_ATTN_DPBF16
       if constexpr (BF16_BOTH) {
         if (dots) {
+          const float* accp = acc.data();
+#ifdef TITAN_RL_ATTN_AMX
+          if (amx) {
+            attention_tile_amx(q, q_t, q_h, kc, vc, k_st, v_st, row_bt, page, h, G, D, t0, nt, n_row, n_max, n_pad,
+                               scale, qp16, sc, pbuf, vlast, lsum.data(), rmax.data(), acc16);
+            accp = acc16.data();
+          } else
+#endif
           attention_tile_dpbf16(q, q_t, q_h, kc, vc, k_st, v_st, row_bt, page, h, G, D, t0, nt, n_row, n_max, n_pad,
                                 scale, qp.data(), sc.data(), pbuf, lsum.data(), rmax.data(), acc.data());
           for (int64_t i = 0; i < nt; ++i)
@@ -377,7 +635,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
               const int64_t r = i * G + g;
               TQ* o = out + (t0 + i) * H * D + (h * G + g) * D;
               const float l = lsum[r];
-              for (int64_t d = 0; d < D; ++d) o[d] = from_f<TQ>(acc[r * D + d] / l);
+              for (int64_t d = 0; d < D; ++d) o[d] = from_f<TQ>(accp[r * D + d] / l);
               if (lse) lse[(t0 + i) * H + h * G + g] = rmax[r] + std::log(l);
             }
           continue;
@@ -387,9 +645,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
       // Pass 1: scores, LANES positions at a time from the transposed keys.
       for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
         const C* kt = kc + row_bt[j0 / page] * k_st[0] + h * k_st[1] + (j0 % page);
-        int64_t r_end = 0;  // rows [0, r_end) see position j0
-        for (int64_t i = 0; i < nt; ++i)
-          if (n_row[i] > j0) r_end = (i + 1) * G;
+        const int64_t r_end = rows_seeing(n_row, nt, G, j0);
         const float* kb;
         int64_t kstride;
         if constexpr (std::is_same_v<C, float>) {
@@ -459,7 +715,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 std::tuple<at::Tensor, at::Tensor> attention_core(const at::Tensor& q_in, const at::Tensor& k_cache,
                                                  const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                                  const at::Tensor& seq_lens, const at::Tensor& block_table,
-                                                 double scale, bool bf16_dots, bool want_lse) {
+                                                 double scale, bool bf16_dots, bool amx, bool want_lse) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_attention: cache rows must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k/v dtypes differ");
@@ -489,10 +745,12 @@ std::tuple<at::Tensor, at::Tensor> attention_core(const at::Tensor& q_in, const 
                         k_cache.scalar_type() == at::kBFloat16 && k_cache.stride(2) == page && v_cache.stride(2) == D),
               "paged_attention: the bf16 form takes bf16 queries and a bf16 cache in the pair layout, head_dim <= 256, "
               "on a CPU with AVX512-BF16");
+  TORCH_CHECK(!amx || (dots && amx_form_available()), "paged_attention: the amx form is the bf16 form's layout on a CPU "
+              "with AMX-BF16 (and the OS's leave to use it)");
 #define TITAN_ATTN(TQ, TC)                                                                                         \
   attention_rows<TQ, TC>(q.data_ptr<TQ>(), q.stride(0), q.stride(1), k_cache.data_ptr<TC>(),                      \
                          v_cache.data_ptr<TC>(), kst, vst, qsl.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),          \
-                         bt.data_ptr<int64_t>(), bt.size(1), page, S, H, Hkv, D, sc, out.data_ptr<TQ>(), dots, \
+                         bt.data_ptr<int64_t>(), bt.size(1), page, S, H, Hkv, D, sc, out.data_ptr<TQ>(), dots, amx, \
                          want_lse ? lse.data_ptr<float>() : nullptr)
   const bool qb = q.scalar_type() == at::kBFloat16, cb = k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK((qb || q.scalar_type() == at::kFloat) && (cb || k_cache.scalar_type() == at::kFloat),
@@ -507,16 +765,16 @@ std::tuple<at::Tensor, at::Tensor> attention_core(const at::Tensor& q_in, const 
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, bool bf16_dots) {
+                           const at::Tensor& block_table, double scale, bool bf16_dots, bool amx) {
   return std::get<0>(attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, bf16_dots,
-                                    false));
+                                    amx, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_lse(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                                        const at::Tensor& seq_lens, const at::Tensor& block_table,
-                                                       double scale, bool bf16_dots) {
-  return attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, bf16_dots, true);
+                                                       double scale, bool bf16_dots, bool amx) {
+  return attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, bf16_dots, amx, true);
 }
 
 }  // namespace
@@ -524,10 +782,11 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_lse(const at::Tensor& q, cons
 
 TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_table, float scale, bool bf16_dots=False) -> Tensor",
+        "Tensor block_table, float scale, bool bf16_dots=False, bool amx=False) -> Tensor",
         &titan_rl::paged_attention);
   m.def("paged_attention_lse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_table, float scale, bool bf16_dots=False) -> (Tensor, Tensor)",
+        "Tensor block_table, float scale, bool bf16_dots=False, bool amx=False) -> (Tensor, Tensor)",
         &titan_rl::paged_attention_lse);
   m.def("paged_attention_dpbf16_available() -> bool", &titan_rl::dpbf16_form_available);
+  m.def("paged_attention_amx_available() -> bool", &titan_rl::amx_form_available);
 }
