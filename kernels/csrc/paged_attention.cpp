@@ -422,6 +422,21 @@ struct alignas(64) TileConfig {
 
 constexpr int64_t AMX_ROWS = 16;
 
+// One tile configuration for both passes (loaded once per thread's share of the work: loading
+// one costs more than a short decode's tile operations): tmm0-3 accumulators (16 rows x 16
+// fp32); tmm4 / tmm5 a 16-pair A / B, tmm6 / tmm7 an 8-pair A / B (the scores' short last chunk
+// and every value-pass step: 16 positions are 8 pairs). D is a multiple of 16, so a last chunk
+// has 8 or 16 pairs.
+inline void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
+  c.rows[4] = AMX_ROWS, c.colsb[4] = 64;
+  c.rows[5] = 16, c.colsb[5] = 64;
+  c.rows[6] = AMX_ROWS, c.colsb[6] = 32;
+  c.rows[7] = 8, c.colsb[7] = 64;
+  _tile_loadconfig(&c);
+}
+
 inline void attention_tile_amx(const c10::BFloat16* q, int64_t q_t, int64_t q_h, const c10::BFloat16* kc,
                                const c10::BFloat16* vc, const int64_t* k_st, const int64_t* v_st,
                                const int64_t* row_bt, int64_t page, int64_t h, int64_t G, int64_t D, int64_t t0,
@@ -429,23 +444,18 @@ inline void attention_tile_amx(const c10::BFloat16* q, int64_t q_t, int64_t q_h,
                                std::vector<uint16_t>& qp, std::vector<float>& sc, std::vector<uint16_t>& pbuf,
                                std::vector<uint16_t>& vlast, float* lsum, float* rmax, std::vector<float>& acc) {
   const int64_t R = nt * G, groups = (R + AMX_ROWS - 1) / AMX_ROWS, R16 = groups * AMX_ROWS, DP = D / 2;
+  // Row strides of the scores and weights: n_pad plus one cache line, so a tile's 16 rows do not
+  // all fall in one L1 set (n_pad is often a power of two).
+  const int64_t ss = n_pad + LANES, ps = n_pad + 32;
   qp.assign(R16 * D, 0);
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t g = 0; g < G; ++g)
       std::memcpy(qp.data() + (i * G + g) * D, q + (t0 + i) * q_t + (h * G + g) * q_h, D * sizeof(uint16_t));
-  sc.resize(R16 * n_pad);
+  sc.resize(R16 * ss);
   // Pass 1: per 16-position block and group of 16 rows, C = sum over d-chunks of A (queries,
   // 16 rows x kp pairs) times B (the block's keys, kp d-pairs x 16 positions x 2), stored
   // straight into the scores (scaled in pass 2).
-  const int64_t kp_full = std::min<int64_t>(DP, 16), kp_last = DP % 16 ? DP % 16 : kp_full;
-  TileConfig c1;
-  c1.rows[0] = AMX_ROWS, c1.colsb[0] = 64;                              // C: 16 rows x 16 fp32
-  c1.rows[1] = AMX_ROWS, c1.colsb[1] = static_cast<uint16_t>(kp_full * 4);  // A, full chunk
-  c1.rows[2] = static_cast<uint8_t>(kp_full), c1.colsb[2] = 64;          // B, full chunk
-  c1.rows[3] = AMX_ROWS, c1.colsb[3] = static_cast<uint16_t>(kp_last * 4);  // A, last chunk
-  c1.rows[4] = static_cast<uint8_t>(kp_last), c1.colsb[4] = 64;          // B, last chunk
-  _tile_loadconfig(&c1);
-  const int64_t chunks = (DP + 15) / 16;
+  const int64_t chunks = (DP + 15) / 16;  // the last one 8 or 16 pairs
   for (int64_t j0 = 0; j0 < n_max; j0 += LANES) {
     const uint16_t* kp = key_pairs(kc, k_st, row_bt, page, h, j0);
     const int64_t r_end = rows_seeing(n_row, nt, G, j0);
@@ -454,26 +464,26 @@ inline void attention_tile_amx(const c10::BFloat16* q, int64_t q_t, int64_t q_h,
       for (int64_t c = 0; c < chunks; ++c) {
         const uint16_t* a = qp.data() + g0 * D + c * 32;
         const uint16_t* b = kp + c * 16 * 2 * page;
-        if (c + 1 < chunks || kp_last == kp_full) {
-          _tile_loadd(1, a, D * 2);
-          _tile_loadd(2, b, page * 4);
-          _tile_dpbf16ps(0, 1, 2);
+        if (DP - 16 * c >= 16) {
+          _tile_loadd(4, a, D * 2);
+          _tile_loadd(5, b, page * 4);
+          _tile_dpbf16ps(0, 4, 5);
         } else {
-          _tile_loadd(3, a, D * 2);
-          _tile_loadd(4, b, page * 4);
-          _tile_dpbf16ps(0, 3, 4);
+          _tile_loadd(6, a, D * 2);
+          _tile_loadd(7, b, page * 4);
+          _tile_dpbf16ps(0, 6, 7);
         }
       }
-      _tile_stored(0, sc.data() + g0 * n_pad + j0, n_pad * 4);
+      _tile_stored(0, sc.data() + g0 * ss + j0, ss * 4);
     }
   }
   // Pass 2: scale, softmax weights (fp32) and their sum; the weights rounded to bf16, +0 from
   // the row's position to the end of its row (the blocks its group reads past it).
-  pbuf.resize(R16 * n_pad);  // rows past R: any bits (a tile row changes only its own outputs)
+  pbuf.resize(R16 * ps);  // rows past R: any bits (a tile row changes only its own outputs)
   for (int64_t r = 0; r < R; ++r) {
-    uint16_t* pb = pbuf.data() + r * n_pad;
+    uint16_t* pb = pbuf.data() + r * ps;
     const int64_t n = n_row[r / G];
-    lsum[r] = softmax_weights_bf16<true>(sc.data() + r * n_pad, n, scale, rmax + r, pb);
+    lsum[r] = softmax_weights_bf16<true>(sc.data() + r * ss, n, scale, rmax + r, pb);
     std::memset(pb + n, 0, (n_pad - n) * sizeof(uint16_t));
   }
   // The last block's slots past n_max from a zeroed copy ([8 pairs][D][2]).
@@ -487,11 +497,6 @@ inline void attention_tile_amx(const c10::BFloat16* q, int64_t q_t, int64_t q_h,
   }
   // Pass 3: per group of 16 rows and 64 output dims, four C tiles accumulate A (weights, 16
   // rows x 8 position pairs) times B (the block's values, 8 pairs x 16 dims x 2).
-  TileConfig c3;
-  for (int t = 0; t < 4; ++t) c3.rows[t] = AMX_ROWS, c3.colsb[t] = 64;
-  c3.rows[4] = AMX_ROWS, c3.colsb[4] = 32;
-  c3.rows[5] = LANES / 2, c3.colsb[5] = 64;
-  _tile_loadconfig(&c3);
   acc.resize(R16 * D);
   for (int64_t g0 = 0; g0 < R; g0 += AMX_ROWS) {
     const int64_t g_n = n_row[(std::min(g0 + AMX_ROWS, R) - 1) / G];  // the group's last row sees the most
@@ -505,11 +510,11 @@ inline void attention_tile_amx(const c10::BFloat16* q, int64_t q_t, int64_t q_h,
         const uint16_t* vp =
             j0 == jl ? vlast.data()
                      : reinterpret_cast<const uint16_t*>(vc + row_bt[j0 / page] * v_st[0] + h * v_st[1]) + (j0 % page) * D;
-        _tile_loadd(4, pbuf.data() + g0 * n_pad + j0, n_pad * 2);
+        _tile_loadd(6, pbuf.data() + g0 * ps + j0, ps * 2);
 #define TITAN_AMX_PV(t)                                    \
   if (t < nc) {                                            \
-    _tile_loadd(5, vp + (d0 + 16 * t) * 2, D * 4);         \
-    _tile_dpbf16ps(t, 4, 5);                               \
+    _tile_loadd(7, vp + (d0 + 16 * t) * 2, D * 4);         \
+    _tile_dpbf16ps(t, 6, 7);                               \
   }
         TITAN_AMX_PV(0) TITAN_AMX_PV(1) TITAN_AMX_PV(2) TITAN_AMX_PV(3)
 #undef TITAN_AMX_PV
@@ -521,7 +526,6 @@ inline void attention_tile_amx(const c10::BFloat16* q, int64_t q_t, int64_t q_h,
       if (nc > 3) _tile_stored(3, o + 48, D * 4);
     }
   }
-  _tile_release();
 }
 #endif
 
@@ -600,6 +604,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 #ifdef TITAN_RL_ATTN_AMX
     std::vector<uint16_t> qp16, vlast;
     std::vector<float> acc16;
+    if (BF16_BOTH && amx) amx_configure();
 #endif
     int64_t n_row[QTILE_MAX];
     for (int64_t item = begin; item < end; ++item) {
@@ -705,6 +710,9 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
           if (lse) lse[(t0 + i) * H + h * G + g] = rmax[r] + std::log(l);
         }
     }
+#ifdef TITAN_RL_ATTN_AMX
+    if (BF16_BOTH && amx) _tile_release();  // the thread's tile state back to the OS's init state
+#endif
   });
 }
 
