@@ -264,7 +264,9 @@ def torchrun(nproc: int, cmd, *, env=None, cwd=None, timeout=None) -> subprocess
     codes = [p.returncode for p in ranks]
     code = next((c for c in codes if c not in (0, None)), 0)
     join = lambda n: "".join(got[(r, n)] or "" for r in range(nproc))  # noqa: E731
-    return subprocess.CompletedProcess(cmd, code, join("out"), join("err"))
+    done = subprocess.CompletedProcess(cmd, code, join("out"), join("err"))
+    done.rank_codes = codes  # each rank's own: a rank that aborted hides behind rank 0's echo of it
+    return done
 
 
 # ---------------------------------------------------------------- the zygote process
