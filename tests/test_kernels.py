@@ -391,13 +391,15 @@ def test_weight_gradient_gemm_is_one_fma_chain_per_output(dtype, rng):
     fetches ahead together); strided (column-block) views of both operands."""
     from tests._threads import threads
     from titan_rl.kernels.cpu_ext import ops as _ops
+    from titan_rl.kernels.matmul.reference import weight_grad_bf16
     from titan_rl.kernels.matmul.torch_impl import grad_weight
 
     for m, n, k in [(1, 1, 1), (0, 3, 4), (5, 13, 3), (130, 25, 45), (257, 7, 1030), (300, 131, 33),
                     (260, 413, 45)]:
         g = (torch.randn(m, n + 5, generator=rng) * 2).bfloat16().to(dtype)
         x = (torch.randn(m, k + 2, generator=rng) * 2).bfloat16().to(dtype)
-        want = _fma_chain(g[:, 5:], x[:, :k]).to(dtype)
+        want = (_fma_chain(g[:, 5:], x[:, :k]) if dtype == torch.float32 else
+                weight_grad_bf16(g[:, 5:], x[:, :k])).to(dtype)
         got = grad_weight(g[:, 5:], x[:, :k])
         assert got.dtype == dtype and torch.equal(got, want), (m, n, k, dtype)
         if n > 2 and k > 2:
@@ -421,12 +423,13 @@ def test_input_gradient_is_one_fma_chain_per_output(dtype, rng):
     rows: three groups of tiles; K not a multiple of 16; N past 4096, where the fp32 chain runs
     in passes), prefixes of the rows, 1 and 2 threads."""
     from tests._threads import threads
+    from titan_rl.kernels.matmul.reference import weight_grad_bf16
     from titan_rl.kernels.matmul.torch_impl import grad_input
 
     for m, n, k in [(1, 1, 1), (7, 13, 3), (130, 333, 45), (33, 1030, 70), (401, 150, 37), (9, 5001, 21)]:
         grad = (torch.randn(m, n, generator=rng) * 2).bfloat16().to(dtype)
         w = (torch.randn(n, k, generator=rng) * 2).bfloat16().to(dtype)
-        want = _fma_chain(grad.t(), w).to(dtype)
+        want = (_fma_chain(grad.t(), w) if dtype == torch.float32 else weight_grad_bf16(grad.t(), w)).to(dtype)
         got = grad_input(grad, w)
         assert got.dtype == dtype and torch.equal(got, want), (m, n, k)
         for rows in {1, m // 2 + 1, m}:
@@ -434,6 +437,32 @@ def test_input_gradient_is_one_fma_chain_per_output(dtype, rng):
         for t in (1, 2):
             with threads(t):
                 assert torch.equal(grad_input(grad, w), want), (m, n, k, t)
+
+
+@pytest.mark.parametrize("scale", [2.0**-63, 2.0**-64])
+def test_bf16_gradient_gemms_flush_subnormals_as_vdpbf16ps_does(scale, rng):
+    """Both operands bf16: the FMA chain under DAZ / FTZ over an even row count
+    (reference.weight_grad_bf16), which is what vdpbf16ps computes on row pairs (AVX512-BF16
+    CPUs) and what the FMAs compute under MXCSR's flags elsewhere: one set of bits on every CPU
+    kind. Operands whose products and partial sums fall in fp32's subnormal range, where the
+    unflushed chain differs (asserted, so the case exercises the flush); odd row counts (the
+    zero row that makes them even), both gradients, 1 and 2 threads."""
+    from tests._threads import threads
+    from titan_rl.kernels.matmul.reference import weight_grad_bf16
+    from titan_rl.kernels.matmul.torch_impl import grad_input, grad_weight
+
+    for m, n, k in [(1, 3, 5), (77, 19, 35), (129, 30, 41), (257, 13, 33)]:
+        g = (torch.randn(m, n, generator=rng) * scale).bfloat16()
+        x = (torch.randn(m, k, generator=rng) * scale).bfloat16()
+        want = weight_grad_bf16(g, x)
+        for t in (1, 2):
+            with threads(t):
+                assert torch.equal(grad_weight(g, x).view(torch.int16), want.bfloat16().view(torch.int16)), (m, t)
+                # grad x^T [k, m] @ weight g [m, n]: the chain over m again, on the transposed view
+                assert torch.equal(grad_input(x.t().contiguous(), g).view(torch.int16),
+                                   weight_grad_bf16(x, g).bfloat16().view(torch.int16)), (m, t)
+        if m > 1:
+            assert not torch.equal(want.view(torch.int32), _fma_chain(g, x).view(torch.int32))
 
 
 def test_weight_gradient_gemm_is_close_to_fp64(rng):

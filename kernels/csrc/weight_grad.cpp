@@ -10,6 +10,15 @@
 // So the result depends only on the two operands' values, on every CPU this builds for
 // (AVX-512, AVX2 and the scalar loop run the same FMAs), at any thread count and for any
 // slice of N or K: a row of grad @ W has the same bits whatever rows share the call.
+//
+// Both operands bf16 (a bf16 model's linears): the same chain under DAZ and FTZ (subnormal
+// inputs read as zero, subnormal results flushed to a zero of their sign), over M rounded up to
+// even with a zero row. That is what AVX512-BF16's vdpbf16ps computes on a pair of rows when
+// row m sits in the pair's odd (first-added) slot and row m + 1 in the even one (each add one
+// fused operation under DAZ / FTZ: csrc/dpbf16_avx2.h), so on CPUs with the instruction one
+// vdpbf16ps does two rows' FMAs: on the AMD EPYC (Zen 4), whose 512-bit FMAs issue one a cycle,
+// that halves the bf16 backward's GEMM time; elsewhere the FMAs run under MXCSR's flags. The
+// same bits either way: kernels/matmul/reference.py, weight_grad_bf16.
 #include "common.h"
 #include "fp32_vec.h"
 
@@ -22,6 +31,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 #include <cstring>
 #include <vector>
 
@@ -95,9 +108,30 @@ inline void micro(const float* a, const float* b, int64_t rows, float* c, int64_
 // g: a [M, N] with row stride ldg and column stride sg1 (1: row-major; a transposed view of a
 // row-major [N, M] has ldg 1). C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K
 // rounded up to KR), rows and columns past N and K computed from zero padding and not read.
+// MXCSR's DAZ and FTZ for the scope where `on` (per thread: set inside each parallel_for body)
+struct MaybeFlush {
+  unsigned saved = 0;
+  bool on;
+  explicit MaybeFlush(bool on_) : on(on_) {
+#if defined(__SSE__)
+    if (on) { saved = _mm_getcsr(); _mm_setcsr(saved | 0x8040u); }
+#endif
+  }
+  ~MaybeFlush() {
+#if defined(__SSE__)
+    if (on) _mm_setcsr(saved);
+#endif
+  }
+  MaybeFlush(const MaybeFlush&) = delete;
+  MaybeFlush& operator=(const MaybeFlush&) = delete;
+};
+
 template <typename TA, typename TB>
 void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_t ldx, int64_t M, int64_t N,
                       int64_t K, float* C, int64_t ldc) {
+  // bf16 x bf16: under DAZ / FTZ, the last chunk's rows rounded up to even with a zero row (the
+  // dpbf16 form's definition, which this path computes on CPUs without the instruction)
+  constexpr bool flush = std::is_same<TA, c10::BFloat16>::value && std::is_same<TB, c10::BFloat16>::value;
   const int64_t kb_pad = ((std::min(K, KB) + KR - 1) / KR) * KR;
   const int64_t n_tiles = (N + NR - 1) / NR;
   std::vector<float> bp(static_cast<size_t>(MC * kb_pad));
@@ -105,6 +139,7 @@ void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_
     const int64_t kn = std::min(KB, K - k0), ksub = (kn + KR - 1) / KR;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t mn = std::min(MC, M - m0);
+      const int64_t mr = flush && mn % 2 ? mn + 1 : mn;  // rows the chain runs over (MC is even)
       float* B = bp.data();
       // x[m0:m0+mn, k0:k0+kn] -> [ksub][mn][KR] fp32, zeros past kn
       const int64_t kfull = kn / KR;  // whole micro-tiles of columns; the last may be partial
@@ -112,37 +147,41 @@ void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_
         for (int64_t r = r0; r < r1; ++r) {
           const TB* src = x + (m0 + r) * ldx + k0;
           for (int64_t s = 0; s < kfull; ++s) {
-            float* dst = B + (s * mn + r) * KR;
+            float* dst = B + (s * mr + r) * KR;
             for (int j = 0; j < KR; ++j) dst[j] = widen(src[s * KR + j]);
           }
           if (kfull < ksub) {
-            float* dst = B + (kfull * mn + r) * KR;
+            float* dst = B + (kfull * mr + r) * KR;
             const int64_t left = kn - kfull * KR;
             for (int j = 0; j < KR; ++j) dst[j] = j < left ? widen(src[kfull * KR + j]) : 0.0f;
           }
         }
       });
+      if (mr > mn) {
+        for (int64_t s = 0; s < ksub; ++s) std::fill(B + (s * mr + mn) * KR, B + (s * mr + mn + 1) * KR, 0.0f);
+      }
       at::parallel_for(0, n_tiles, 4, [&](int64_t t0, int64_t t1) {
+        MaybeFlush flushed(flush);
         ap_buf.resize(static_cast<size_t>(MC * NR * GT));
         float* ap = ap_buf.data();
         for (int64_t tg = t0; tg < t1; tg += GT) {
           const int64_t tn = std::min<int64_t>(GT, t1 - tg);
           const int64_t n0 = tg * NR, nn = std::min<int64_t>(tn * NR, N - n0);
           // the group's columns of a -> [tile][row][NR], zeros past N
-          if (nn < tn * NR) std::fill(ap, ap + tn * mn * NR, 0.0f);
+          if (nn < tn * NR || mr > mn) std::fill(ap, ap + tn * mr * NR, 0.0f);
           if (sg1 == 1) {
             for (int64_t r = 0; r < mn; ++r) {
               const TA* src = g + (m0 + r) * ldg + n0;
               int64_t i = 0;
               for (int64_t u = 0; u < tn && i + NR <= nn; ++u, i += NR) {
-                pack_row(src + i, ap + (u * mn + r) * NR);
+                pack_row(src + i, ap + (u * mr + r) * NR);
               }
-              for (; i < nn; ++i) ap[((i / NR) * mn + r) * NR + i % NR] = widen(src[i]);
+              for (; i < nn; ++i) ap[((i / NR) * mr + r) * NR + i % NR] = widen(src[i]);
             }
           } else {
             for (int64_t i = 0; i < nn; ++i) {
               const TA* src = g + m0 * ldg + (n0 + i) * sg1;
-              float* dst = ap + (i / NR) * mn * NR + i % NR;
+              float* dst = ap + (i / NR) * mr * NR + i % NR;
               for (int64_t r = 0; r < mn; ++r) dst[r * NR] = widen(src[r * ldg]);
             }
           }
@@ -177,7 +216,7 @@ void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_
               }
               float* c = C + tn0 * ldc + k0 + s * KR;
               float* next = s + 1 < ksub ? c + KR : (t + 1 < t1 ? C + (tn0 + NR) * ldc + k0 : c);
-              micro(ap + u * mn * NR, B + s * mn * KR, mn, c, ldc, m0 == 0, next);
+              micro(ap + u * mr * NR, B + s * mr * KR, mr, c, ldc, m0 == 0, next);
             }
           }
         }
@@ -185,6 +224,106 @@ void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_
     }
   }
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define TITAN_RL_WG_DPBF16 1
+// The bf16 x bf16 form on vdpbf16ps: operands packed as row pairs, each 32-bit lane (row m's
+// bf16 << 16) | row m + 1's, so the instruction adds row m's product (the odd slot) before row m
+// + 1's: the flushed FMA chain above, two rows an instruction.
+inline uint32_t pair(uint16_t first, uint16_t second) { return static_cast<uint32_t>(first) << 16 | second; }
+
+// Each thread's packed group of grad tiles [GT][MC / 2][NR] pairs, kept across chunks and calls.
+thread_local std::vector<uint32_t> ap2_buf;
+
+// acc[NR][2] over the chunk's row pairs: a = packed grad pairs [pairs][NR], b = packed x pairs
+// [pairs][KR]; first / next as in micro.
+inline void micro_dp(const uint32_t* a, const uint32_t* b, int64_t pairs, float* c, int64_t ldc, bool first,
+                     const float* next) {
+  for (int i = 0; i < NR; ++i) {
+    __builtin_prefetch(next + i * ldc, 1, 3);
+    __builtin_prefetch(next + i * ldc + KR - 1, 1, 3);
+  }
+  __m512 acc[NR][2];
+  for (int i = 0; i < NR; ++i) {
+    acc[i][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc);
+    acc[i][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + 16);
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * KR), b1 = (__m512bh)_mm512_loadu_si512(b + p * KR + 16);
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[p * NR + i]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, b1);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+  }
+}
+
+// weight_grad_impl's loops for two bf16 operands (as raw uint16), on micro_dp
+void weight_grad_dp(const uint16_t* g, int64_t ldg, int64_t sg1, const uint16_t* x, int64_t ldx, int64_t M, int64_t N,
+                    int64_t K, float* C, int64_t ldc) {
+  const int64_t kb_pad = ((std::min(K, KB) + KR - 1) / KR) * KR;
+  const int64_t n_tiles = (N + NR - 1) / NR;
+  std::vector<uint32_t> bp(static_cast<size_t>(MC / 2 * kb_pad));
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t kn = std::min(KB, K - k0), ksub = (kn + KR - 1) / KR;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t mn = std::min(MC, M - m0), np = (mn + 1) / 2;  // row pairs, the last maybe half zero
+      uint32_t* B = bp.data();
+      // x[m0:m0+mn, k0:k0+kn] -> [ksub][np][KR] pairs, zeros past kn and mn
+      at::parallel_for(0, np, 16, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint16_t* r0 = x + (m0 + 2 * p) * ldx + k0;
+          const uint16_t* r1 = 2 * p + 1 < mn ? r0 + ldx : nullptr;
+          for (int64_t s = 0; s < ksub; ++s) {
+            uint32_t* dst = B + (s * np + p) * KR;
+            for (int j = 0; j < KR; ++j) {
+              const int64_t k = s * KR + j;
+              dst[j] = k < kn ? pair(r0[k], r1 ? r1[k] : 0) : 0u;
+            }
+          }
+        }
+      });
+      at::parallel_for(0, n_tiles, 4, [&](int64_t t0, int64_t t1) {
+        ap2_buf.resize(static_cast<size_t>(MC / 2 * NR * GT));
+        uint32_t* ap = ap2_buf.data();
+        for (int64_t tg = t0; tg < t1; tg += GT) {
+          const int64_t tn = std::min<int64_t>(GT, t1 - tg);
+          const int64_t n0 = tg * NR, nn = std::min<int64_t>(tn * NR, N - n0);
+          // the group's columns of a -> [tile][pair][NR], zeros past N and mn
+          if (nn < tn * NR) std::fill(ap, ap + tn * np * NR, 0u);
+          if (sg1 == 1) {
+            for (int64_t p = 0; p < np; ++p) {
+              const uint16_t* r0 = g + (m0 + 2 * p) * ldg + n0;
+              const uint16_t* r1 = 2 * p + 1 < mn ? r0 + ldg : nullptr;
+              for (int64_t i = 0; i < nn; ++i) ap[((i / NR) * np + p) * NR + i % NR] = pair(r0[i], r1 ? r1[i] : 0);
+            }
+          } else {
+            for (int64_t i = 0; i < nn; ++i) {
+              const uint16_t* src = g + m0 * ldg + (n0 + i) * sg1;
+              uint32_t* dst = ap + (i / NR) * np * NR + i % NR;
+              for (int64_t p = 0; p < np; ++p) {
+                dst[p * NR] = pair(src[2 * p * ldg], 2 * p + 1 < mn ? src[(2 * p + 1) * ldg] : 0);
+              }
+            }
+          }
+          for (int64_t u = 0; u < tn; ++u) {
+            const int64_t t = tg + u, tn0 = t * NR;
+            for (int64_t s = 0; s < ksub; ++s) {
+              float* c = C + tn0 * ldc + k0 + s * KR;
+              float* next = s + 1 < ksub ? c + KR : (t + 1 < t1 ? C + (tn0 + NR) * ldc + k0 : c);
+              micro_dp(ap + u * np * NR, B + s * np * KR, np, c, ldc, m0 == 0, next);
+            }
+          }
+        }
+      });
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -210,7 +349,15 @@ at::Tensor weight_grad(const at::Tensor& grad, const at::Tensor& x) {
     if (af && bf) TITAN_WG(float, float);
     else if (af) TITAN_WG(float, B16);
     else if (bf) TITAN_WG(B16, float);
-    else TITAN_WG(B16, B16);
+    else {
+#if defined(TITAN_RL_WG_DPBF16)
+      weight_grad_dp(reinterpret_cast<const uint16_t*>(g.data_ptr<B16>()), g.stride(0), g.stride(1),
+                     reinterpret_cast<const uint16_t*>(xx.data_ptr<B16>()), xx.stride(0), M, N, K, c.data_ptr<float>(),
+                     ldc);
+#else
+      TITAN_WG(B16, B16);
+#endif
+    }
 #undef TITAN_WG
   }
   // [N, K] of the tiles: a view where K is whole tiles (the usual widths), else a copy

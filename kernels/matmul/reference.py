@@ -14,6 +14,18 @@ def _flush(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.abs() < _TINY, torch.copysign(torch.zeros_like(t), t), t)
 
 
+def weight_grad_bf16(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """g [M, N]^T @ x [M, K] for bf16 operands as the weight-gradient GEMM computes it
+    (csrc/weight_grad.cpp; also the bf16 input gradient, on grad^T): per output one fp32 FMA
+    chain over the rows in order from +0 under DAZ / FTZ, M rounded up to even with a zero row.
+    Written as what vdpbf16ps computes on row pairs with row m in the odd (first-added) slot:
+    dpbf16_dot on the rows with each pair swapped."""
+    if g.shape[0] % 2:
+        g, x = (torch.nn.functional.pad(t, (0, 0, 0, 1)) for t in (g, x))
+    swap = torch.arange(g.shape[0]) ^ 1  # rows 1, 0, 3, 2, ...: row 2i lands in the odd slot
+    return dpbf16_dot(g[swap].t(), x[swap].t())
+
+
 def dpbf16_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """D = a @ w^T for bf16-exact a [M, K], w [N, K] as AVX512-BF16's vdpbf16ps accumulates
     it (csrc/bf16_logits.cpp, quant_gemm.cpp; csrc/dpbf16_avx2.h its AVX2 form): one fp32

@@ -251,9 +251,9 @@ def _invariant_mm(x2: torch.Tensor, weight) -> torch.Tensor:
 def grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """grad [M, N] @ weight [N, K] -> [M, K] in grad's dtype, each row's bits independent of M.
     bf16: the weight gradient's FMA-chain GEMM (kernels/csrc/weight_grad.cpp) on grad read as a
-    transposed view, one fp32 chain over N per output: 1.3-1.9x faster than oneDNN's bf16 GEMM
-    with the transposed weight's copy and reorder (Intel Xeon, M 256-2048), and the same bits
-    on every CPU kind. fp32: the fp32 chain GEMM (kernels/csrc/f32_chain.cpp) on the weight's
+    transposed view, one fp32 chain over N per output under DAZ / FTZ (two terms a vdpbf16ps
+    where the CPU has it): 1.3-1.9x faster than oneDNN's bf16 GEMM with the transposed weight's
+    copy and reorder (Intel Xeon, M 256-2048), and the same bits on every CPU kind. fp32: the fp32 chain GEMM (kernels/csrc/f32_chain.cpp) on the weight's
     column blocks, one chain over N per output (no transposed weight): 0.92-0.97x the time of
     oneDNN's GEMM on the transposed weight at SmolLM2's shapes (M 2048, Intel Xeon), the same
     bits on every CPU kind."""
@@ -265,7 +265,9 @@ def grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def grad_weight(grad: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """grad [M, N]^T @ x2 [M, K] -> [N, K] in grad's dtype: the compiled weight-gradient GEMM
     (kernels/csrc/weight_grad.cpp), one fp32 FMA per row in row order for every output, read
-    from the operands as they lie (fp32 or bf16 each, widened exactly: no converted copy). Its bits depend on the operands' values only: not on the
+    from the operands as they lie (fp32 or bf16 each, widened exactly: no converted copy); both
+    bf16: under DAZ / FTZ over an even row count, which vdpbf16ps computes two rows at a time
+    (reference.weight_grad_bf16). Its bits depend on the operands' values only: not on the
     thread count, the CPU kind, or which slice of N or K a call holds."""
     ok = (torch.float32, torch.bfloat16)
     g = grad if grad.dtype in ok else grad.float()
