@@ -17,10 +17,36 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace titan_rl {
 
 constexpr int LANES = 16;
+
+// MXCSR's DAZ and FTZ for the scope (subnormal inputs read as zero, subnormal results flushed to
+// a zero of their sign): the flags under which FMAs compute what vdpbf16ps computes
+// (dpbf16_avx2.h). MXCSR is per thread: set inside each parallel_for body. `on` false: a no-op.
+struct FlushSubnormals {
+  unsigned saved = 0;
+  bool on;
+  explicit FlushSubnormals(bool on_ = true) : on(on_) {
+#if defined(__SSE__)
+    if (on) {
+      saved = _mm_getcsr();
+      _mm_setcsr(saved | 0x8040u);
+    }
+#endif
+  }
+  ~FlushSubnormals() {
+#if defined(__SSE__)
+    if (on) _mm_setcsr(saved);
+#endif
+  }
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+};
 
 inline float bits_to_f(uint32_t b) {
   float f;

@@ -28,15 +28,8 @@
 namespace titan_rl {
 namespace {
 
-// DAZ and FTZ for the scope (MXCSR is per thread: set inside each parallel_for body). Scales
-// applied after the dot products are ordinary fp32 arithmetic: leave the scope first.
-struct FlushSubnormals {
-  unsigned saved;
-  FlushSubnormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
-  ~FlushSubnormals() { _mm_setcsr(saved); }
-  FlushSubnormals(const FlushSubnormals&) = delete;
-  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
-};
+// (FlushSubnormals, common.h: DAZ and FTZ for the scope. Scales applied after the dot products
+// are ordinary fp32 arithmetic: leave the scope first.)
 
 constexpr int DP2_MR = 5;  // rows per micro-tile: 10 accumulators + 2 weight registers + 1 broadcast
 // (6 rows measured slower: GCC spilled accumulators; 4 rows 1.13x oneDNN's fp32 GEMM, 5 rows 1.06x)

@@ -32,9 +32,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#if defined(__SSE__)
-#include <xmmintrin.h>
-#endif
 #include <cstring>
 #include <vector>
 
@@ -108,24 +105,6 @@ inline void micro(const float* a, const float* b, int64_t rows, float* c, int64_
 // g: a [M, N] with row stride ldg and column stride sg1 (1: row-major; a transposed view of a
 // row-major [N, M] has ldg 1). C [ceil(N / NR) * NR, ldc]: the output in whole tiles (ldc = K
 // rounded up to KR), rows and columns past N and K computed from zero padding and not read.
-// MXCSR's DAZ and FTZ for the scope where `on` (per thread: set inside each parallel_for body)
-struct MaybeFlush {
-  unsigned saved = 0;
-  bool on;
-  explicit MaybeFlush(bool on_) : on(on_) {
-#if defined(__SSE__)
-    if (on) { saved = _mm_getcsr(); _mm_setcsr(saved | 0x8040u); }
-#endif
-  }
-  ~MaybeFlush() {
-#if defined(__SSE__)
-    if (on) _mm_setcsr(saved);
-#endif
-  }
-  MaybeFlush(const MaybeFlush&) = delete;
-  MaybeFlush& operator=(const MaybeFlush&) = delete;
-};
-
 template <typename TA, typename TB>
 void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_t ldx, int64_t M, int64_t N,
                       int64_t K, float* C, int64_t ldc) {
@@ -161,7 +140,7 @@ void weight_grad_impl(const TA* g, int64_t ldg, int64_t sg1, const TB* x, int64_
         for (int64_t s = 0; s < ksub; ++s) std::fill(B + (s * mr + mn) * KR, B + (s * mr + mn + 1) * KR, 0.0f);
       }
       at::parallel_for(0, n_tiles, 4, [&](int64_t t0, int64_t t1) {
-        MaybeFlush flushed(flush);
+        FlushSubnormals flushed(flush);
         ap_buf.resize(static_cast<size_t>(MC * NR * GT));
         float* ap = ap_buf.data();
         for (int64_t tg = t0; tg < t1; tg += GT) {
