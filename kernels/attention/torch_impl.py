@@ -60,8 +60,9 @@ def _dots(dtype: torch.dtype, head_dim: int) -> bool:
     return ATTN_FORM in PAIR_FORMS and dtype == torch.bfloat16 and head_dim <= 256
 
 
-def _amx(dots: bool) -> bool:
-    return dots and ATTN_FORM == "amx"
+def _form(dots: bool) -> str:
+    """The kernel's form for a cache whose layout `_dots` chose."""
+    return ATTN_FORM if dots else "fp32"
 
 
 DENSE_PAGE = 64  # positions per page of the trainer's copy (a multiple of LANES)
@@ -90,10 +91,9 @@ def _dense_forward(q, k, v, scale, with_lse: bool = False):
     seq_lens = torch.full((B,), L, device=dev, dtype=torch.long)
     pages = torch.arange(B * n_pages, device=dev).view(B, n_pages)
     if with_lse:  # and each row's log-sum-exp [B, L, H] (fp32), for the backward
-        out, lse = _ops().paged_attention_lse(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots,
-                                              _amx(dots))
+        out, lse = _ops().paged_attention_lse(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, _form(dots))
         return out.view(B, L, H, D), lse.view(B, L, H)
-    out = _ops().paged_attention(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, dots, _amx(dots))
+    out = _ops().paged_attention(q.reshape(B * L, H, D), kt, vv, qsl, seq_lens, pages, scale, _form(dots))
     return out.view(B, L, H, D)
 
 
@@ -161,4 +161,4 @@ def attention_paged(
     dots = _dots(kv_cache.dtype, kv_cache.shape[-1])
     if dots and q.dtype != torch.bfloat16:
         raise TypeError(f"attention_paged: a bfloat16 cache in the bf16 form takes bfloat16 queries; got {q.dtype}")
-    return _ops().paged_attention(q, kt, vv, query_start_loc, seq_lens, block_table, scale, dots, _amx(dots))
+    return _ops().paged_attention(q, kt, vv, query_start_loc, seq_lens, block_table, scale, _form(dots))

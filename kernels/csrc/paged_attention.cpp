@@ -723,7 +723,7 @@ void attention_rows(const TQ* q, int64_t q_t, int64_t q_h, const C* kc, const C*
 std::tuple<at::Tensor, at::Tensor> attention_core(const at::Tensor& q_in, const at::Tensor& k_cache,
                                                  const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                                  const at::Tensor& seq_lens, const at::Tensor& block_table,
-                                                 double scale, bool bf16_dots, bool amx, bool want_lse) {
+                                                 double scale, c10::string_view form, bool want_lse) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_attention: cache rows must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k/v dtypes differ");
@@ -747,8 +747,11 @@ std::tuple<at::Tensor, at::Tensor> attention_core(const at::Tensor& q_in, const 
   const int64_t kst[3] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};  // page, head, d
   const int64_t vst[3] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   const float sc = static_cast<float>(scale);
-  // bf16_dots: the caller chose the bf16 form, whose cache is in the pair layout
-  const bool dots = bf16_dots;
+  // the form the caller chose (attention/torch_impl.py: ATTN_FORM, once per platform): fp32, or
+  // one of the bf16 forms, whose cache is in the pair layout (dpbf16; amx, the same layout on tiles)
+  TORCH_CHECK(form == "fp32" || form == "dpbf16" || form == "amx", "paged_attention: form '", form,
+              "'; allowed: fp32, dpbf16, amx");
+  const bool dots = form != "fp32", amx = form == "amx";
   TORCH_CHECK(!dots || (dpbf16_form_available() && D <= 256 && q.scalar_type() == at::kBFloat16 &&
                         k_cache.scalar_type() == at::kBFloat16 && k_cache.stride(2) == page && v_cache.stride(2) == D),
               "paged_attention: the bf16 form takes bf16 queries and a bf16 cache in the pair layout, head_dim <= 256, "
@@ -773,16 +776,15 @@ std::tuple<at::Tensor, at::Tensor> attention_core(const at::Tensor& q_in, const 
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale, bool bf16_dots, bool amx) {
-  return std::get<0>(attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, bf16_dots,
-                                    amx, false));
+                           const at::Tensor& block_table, double scale, c10::string_view form) {
+  return std::get<0>(attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, form, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_lse(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                                        const at::Tensor& seq_lens, const at::Tensor& block_table,
-                                                       double scale, bool bf16_dots, bool amx) {
-  return attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, bf16_dots, amx, true);
+                                                       double scale, c10::string_view form) {
+  return attention_core(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, form, true);
 }
 
 }  // namespace
@@ -790,10 +792,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_lse(const at::Tensor& q, cons
 
 TORCH_LIBRARY_FRAGMENT(titan_rl, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_table, float scale, bool bf16_dots=False, bool amx=False) -> Tensor",
+        "Tensor block_table, float scale, str form=\"fp32\") -> Tensor",
         &titan_rl::paged_attention);
   m.def("paged_attention_lse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_table, float scale, bool bf16_dots=False, bool amx=False) -> (Tensor, Tensor)",
+        "Tensor block_table, float scale, str form=\"fp32\") -> (Tensor, Tensor)",
         &titan_rl::paged_attention_lse);
   m.def("paged_attention_dpbf16_available() -> bool", &titan_rl::dpbf16_form_available);
   m.def("paged_attention_amx_available() -> bool", &titan_rl::amx_form_available);
