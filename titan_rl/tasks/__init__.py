@@ -7,6 +7,7 @@ from .base import (
 )
 from .chat import ChatTask, ChatTokenizer, extract_answer
 from .digits import DIGITS_ALPHABET, DigitAddTask, DigitReverseTask
+from .env import Environment, Reply, TaskEnvironment, as_environment
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -16,10 +17,14 @@ __all__ = [
     "DIGITS_ALPHABET",
     "DigitAddTask",
     "DigitReverseTask",
+    "Environment",
     "Example",
     "HELD_OUT_SEEDS",
     "LIBRARY_TASKS",
+    "Reply",
     "Task",
+    "TaskEnvironment",
+    "as_environment",
     "check_reward",
     "eval_seed",
     "extract_answer",

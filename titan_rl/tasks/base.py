@@ -201,7 +201,7 @@ class Task(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r}, max_new_tokens={getattr(self, 'max_new_tokens', None)})"
 
 
-def load_task(path: str, checkpoint: str | None = None, **kwargs) -> Task:
+def load_task(path: str, checkpoint: str | None = None, **kwargs):
     """Build a task from a built-in short name (see BUILTIN_TASKS), a library name
     "<prefix>:<argument>" (see LIBRARY_TASKS: "reasoning_gym:<dataset>", "jsonl:<path>",
     "parquet:<path>") or "package.module:ClassName".
@@ -210,7 +210,8 @@ def load_task(path: str, checkpoint: str | None = None, **kwargs) -> Task:
     library task) also gets `checkpoint`, the model folder whose tokenizer and chat template
     it uses; other tasks ignore it. Raises ValueError naming the path and the reason when
     the module or class cannot be imported, the constructor rejects the kwargs, the task
-    needs a checkpoint and has none, or the object is not a Task.
+    needs a checkpoint and has none, or the object is neither a Task nor an Environment
+    (titan_rl.tasks.env: a multi-turn task; the rollout loop runs a Task as its one-turn case).
     """
     if not isinstance(path, str) or not path:
         raise ValueError(f"load_task: path must be a non-empty str, got {path!r}")
@@ -248,9 +249,12 @@ def load_task(path: str, checkpoint: str | None = None, **kwargs) -> Task:
                 f"load_task: cannot import {attr!r} from module {module_name!r} for task {path!r}: "
                 f"no attribute {part!r}"
             ) from e
+    from .env import Environment  # a multi-turn task: the same loader, the same constructor rules
+
     if isinstance(obj, type):
-        if not issubclass(obj, Task):
-            raise ValueError(f"load_task: {target!r} is a class but not a subclass of titan_rl.tasks.Task")
+        if not issubclass(obj, (Task, Environment)):
+            raise ValueError(f"load_task: {target!r} is a class but not a subclass of titan_rl.tasks.Task or "
+                             f"titan_rl.tasks.Environment")
         if inspect.isabstract(obj):
             missing = ", ".join(sorted(obj.__abstractmethods__))
             raise ValueError(f"load_task: {target!r} does not implement {missing}, which its task base class "
@@ -265,12 +269,12 @@ def load_task(path: str, checkpoint: str | None = None, **kwargs) -> Task:
             task = obj(**kwargs)
         except TypeError as e:
             raise ValueError(f"load_task: cannot construct {target!r} with {kwargs!r}: {e}") from e
-    elif isinstance(obj, Task):
+    elif isinstance(obj, (Task, Environment)):
         if kwargs:
             raise ValueError(f"load_task: {target!r} is a Task instance; it takes no kwargs, got {kwargs!r}")
         task = obj
     else:
-        raise ValueError(f"load_task: {target!r} is not a Task (got {type(obj).__name__})")
+        raise ValueError(f"load_task: {target!r} is not a Task or an Environment (got {type(obj).__name__})")
     return task
 
 
