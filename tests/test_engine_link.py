@@ -19,6 +19,7 @@ import _zygote  # noqa: E402
 from _folders import edit_config_in_place  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
+from titan_rl.rl.requests import prompt_episodes
 from titan_rl import config  # noqa: E402
 from titan_rl.contract import ContractMismatch  # noqa: E402
 from titan_rl.errors import RunStopped  # noqa: E402
@@ -44,7 +45,7 @@ def _link(tmp_path, seed, *overrides, model=None):
 def _sample(link):
     reqs = [{"prompt_token_ids": [2, 3, 5, 7, 11]}, {"prompt_token_ids": [13, 17]}]
     params = [SamplingParams(max_tokens=4, logprobs=0, seed=i, ignore_eos=True) for i in range(2)]
-    return link.collect(link.submit(1, reqs, params))
+    return link.collect(link.submit(1, prompt_episodes([r["prompt_token_ids"] for r in reqs], params)))
 
 
 def _sample_wide(link):
@@ -53,7 +54,7 @@ def _sample_wide(link):
     copy moved nothing): the log-probs of what the engine computes with every operand."""
     reqs = [{"prompt_token_ids": [(7 * i + 3 * j) % 900 + 2 for j in range(13)]} for i in range(4)]
     params = [SamplingParams(max_tokens=4, logprobs=0, seed=i, ignore_eos=True) for i in range(4)]
-    return link.collect(link.submit(1, reqs, params))
+    return link.collect(link.submit(1, prompt_episodes([r["prompt_token_ids"] for r in reqs], params)))
 
 
 def _built_otherwise(monkeypatch, change):

@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 from _folders import edit_config_in_place  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
+from titan_rl.rl.requests import prompt_episodes
 from titan_rl import config  # noqa: E402
 from titan_rl.contract import ContractMismatch  # noqa: E402
 from titan_rl.kernels.cpu_features import MASKED_ENV  # noqa: E402
@@ -77,12 +78,12 @@ def test_a_separate_engine_built_otherwise_is_refused_by_name(tmp_path, monkeypa
     reqs = [{"prompt_token_ids": [2, 3, 5, 7, 11]}, {"prompt_token_ids": [13, 17]}]
     try:
         if messages is None:  # the control: the same check passes and the engine samples
-            rollout, _, version = link.collect(link.submit(1, reqs, params))
+            rollout, _, version = link.collect(link.submit(1, prompt_episodes([r["prompt_token_ids"] for r in reqs], params)))
             assert len(rollout.tokens) == 2 and version == 0
             return
         with pytest.raises(ContractMismatch, match=r"execution contract before the first rollout \(engine 0\): "
                                                    r"trainer and engine differ in ") as e:
-            link.submit(1, reqs, params)
+            link.submit(1, prompt_episodes([r["prompt_token_ids"] for r in reqs], params))
         listed = str(e.value).split("differ in ", 1)[1]
         for message in messages:
             assert re.search(message, listed), (message, str(e.value))

@@ -91,6 +91,9 @@ class RolloutConfig:
     # each rollout is sampled with the weights of up to this many steps before
     max_off_policy_steps: int = 0
     restart_engines: bool = False  # separate: a dead engine process is restarted (else the run stops)
+    # multi-turn environments (titan_rl.rl.episodes): how many episodes' environment calls run
+    # at once; episodes are a function of their seeds whatever this is
+    env_workers: int = 4
 
 
 @dataclass
@@ -516,6 +519,7 @@ _RANGES = [
     ("sampling.max_tokens", lambda v: v >= 1, ">= 1"),
     ("rollout.kv_cache_mib", lambda v: v >= 1, ">= 1"),
     ("rollout.max_num_seqs", lambda v: v >= 1, ">= 1"),
+    ("rollout.env_workers", lambda v: v >= 1, ">= 1"),
     ("rollout.max_num_batched_tokens", lambda v: v >= 0, ">= 0 (0 = vLLM's default)"),
     ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
     ("parity.num_prompts", lambda v: v >= 1, ">= 1"),

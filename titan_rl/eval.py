@@ -121,8 +121,10 @@ def evaluate(args) -> dict:
 def _evaluate(args) -> dict:
     import torch
 
-    from titan_rl.rl.evaluation import score_sums, summary
-    from titan_rl.rl.requests import greedy_requests
+    from titan_rl.rl.episodes import EpisodeRun
+    from titan_rl.rl.evaluation import episode_sums, summary
+    from titan_rl.rl.requests import greedy_episodes
+    from titan_rl.tasks import as_environment
 
     arch, task, kwargs, dtype, new, examples, max_model_len = _checked(args)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -132,10 +134,12 @@ def _evaluate(args) -> dict:
     settings = EngineSettings(arch=arch, kernels="exact", dtype=dtype, kv_cache_mib=args.kv_cache_mib,
                               max_model_len=max_model_len, max_num_seqs=min(len(examples), 64))
     llm = make_llm(args.checkpoint, settings)
-    reqs, params = greedy_requests(task, examples, new)
-    outs = llm.generate(reqs, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    sums = score_sums(task, args.task, examples, tokens)
+    env = as_environment(task)
+    episodes = greedy_episodes(env, examples, new)
+    rollout = EpisodeRun(env, episodes, max_model_len=max_model_len).run(
+        lambda prompts, params: llm.generate(prompts, params, use_tqdm=False)).rollout()
+    tokens = rollout.tokens
+    sums = episode_sums(env, args.task, episodes, rollout)
     result = {k.removeprefix("eval_"): v for k, v in summary(sums).items()}
     questions = [{"prompt": ex.prompt_text, "answer": ex.answer, "completion": task.tokenizer.decode(toks),
                   "reward": task.reward(ex, toks), "tokens": len(toks)} for ex, toks in zip(examples, tokens)]

@@ -7,7 +7,9 @@ trainer's forward and the metrics (titan_rl.metrics) use. Shapes: B requests; re
 has a prompt of P_i tokens and R_i sampled tokens; L = max_i (P_i + R_i).
 
 Position t of a padded row is the model output at token t, which predicts token t + 1:
-request i's sampled tokens are predicted at positions P_i - 1 .. P_i + R_i - 2.
+request i's sampled tokens are predicted at positions P_i - 1 .. P_i + R_i - 2. A multi-turn
+episode's row (titan_rl.rl.episodes) also holds context tokens among them (`sampled` says
+which are the engine's): the masks leave those out.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ class Rollout:
     # ascending, -1 padded (int16 while positions fit, else int32)
     indices: list[torch.Tensor] | None = None
     index_bytes_per_token: int | None = None  # one position's index record in bytes
+    # episodes (titan_rl.rl.episodes): which of `tokens` the engine sampled (bool [R_i]; the
+    # rest are context: bridges, environment messages, masked; mu is 0 there), and each
+    # row's episode. None: every token sampled (a bare generate() record).
+    sampled: list[torch.Tensor] | None = None
+    episodes: list | None = None  # EpisodeInfo per row
+    env_seconds: float = 0.0  # wall time the environments' calls took
 
     @classmethod
     def from_vllm(cls, outputs, kept_sets=None, routes=None, indices=None) -> Rollout:
@@ -98,13 +106,17 @@ class Rollout:
                 return [x for v in values for x in v]
             if isinstance(values[0], torch.Tensor):
                 return torch.cat(values)
+            if name == "env_seconds":  # the engines' pieces ran concurrently: the slowest
+                return max(values)
             return values[0]  # a record's size per token: one engine build, one size
 
         return cls(**{f.name: joined(f.name) for f in dataclasses.fields(cls)})
 
     def rows(self, start: int, stop: int) -> Rollout:
         """Requests start .. stop - 1 as a rollout of their own (one rank's share)."""
-        at = [0, *itertools.accumulate(map(len, self.tokens))]  # `kept` has a row per sampled token
+        # `kept` has a row per sampled token
+        counts = map(len, self.tokens) if self.sampled is None else (int(m.sum()) for m in self.sampled)
+        at = [0, *itertools.accumulate(counts)]
 
         def part(value):
             if isinstance(value, list):
@@ -125,7 +137,9 @@ class Rollout:
 
     @property
     def num_tokens(self) -> int:
-        """sum R_i: the sampled tokens."""
+        """The sampled tokens (sum R_i where every token is sampled)."""
+        if self.sampled is not None:
+            return int(sum(int(s.sum()) for s in self.sampled))
         return sum(map(len, self.tokens))
 
     def sequences(self, rows: range | None = None) -> list[list[int]]:
@@ -143,9 +157,13 @@ class Rollout:
         return pad_sequences(self.sequences(rows), pad)
 
     def mask(self) -> torch.Tensor:
-        """bool [B, L - 1]: True at the positions that predict a sampled token."""
+        """bool [B, L - 1]: True at the positions that predict a sampled token (not context)."""
         L = max(map(len, self.sequences()))
-        return response_mask([len(p) for p in self.prompts], [len(t) for t in self.tokens], L - 1)
+        mask = response_mask([len(p) for p in self.prompts], [len(t) for t in self.tokens], L - 1)
+        if self.sampled is not None:  # context tokens inside a row predict nothing the sampler drew
+            for i, s in enumerate(self.sampled):
+                mask[i, self.response_span(i)] &= s
+        return mask
 
     def padded_mu(self) -> torch.Tensor:
         """float32 [B, L - 1]: mu at the mask's positions, 0 elsewhere."""

@@ -189,6 +189,11 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
                      f"come from one folder")
         raise UserError(f"task {name!r} needs {tok.vocab_size} token ids ({whose}); the model's vocab_size is "
                         f"{vocab_size}")
+    from titan_rl.tasks import Environment
+
+    if isinstance(task, Environment):
+        check_environment(cfg, task)
+        return
     draws = [(f"RL step {step}", a.prompts_per_step, prompt_seed(cfg.training.seed, step), new)
              for step in range(a.sft_steps + 1, cfg.training.steps + 1)]
     if cfg.eval.interval > 0:
@@ -208,6 +213,23 @@ def check_task(cfg: config_mod.Config, task, vocab_size: int) -> None:
               and all(isinstance(t, int) for t in list(pairs[0][0]) + list(pairs[0][1])))
         if not ok:
             raise UserError(f"{what} returned {pairs!r:.200}: need one (prompt_ids, target_ids) pair of int lists")
+
+
+def check_environment(cfg: config_mod.Config, env) -> None:
+    """What can be known of a multi-turn environment before any episode: its turn budget, and
+    a supervised warm-up only where it states targets. Its episodes are only known once
+    played; one that misbehaves then ends with reward 0 and a logged reason
+    (titan_rl.rl.episodes)."""
+    name, a = cfg.task.name, cfg.algorithm
+    turns = getattr(env, "max_turns", None)
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        raise UserError(f"task {name!r}: max_turns = {turns!r}: must be an int >= 1")
+    timeout = getattr(env, "timeout_s", None)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise UserError(f"task {name!r}: timeout_s = {timeout!r}: must be a number of seconds > 0")
+    if a.sft_steps > 0 and not callable(getattr(env, "sft_pairs", None)):
+        raise UserError(f"algorithm.sft_steps = {a.sft_steps}: environment {name!r} states no supervised targets "
+                        f"(no sft_pairs method); set algorithm.sft_steps = 0")
 
 
 def check_prompts(task, name: str, n: int, seed: int, where: str, new_tokens: int, vocab_size: int,

@@ -2,8 +2,10 @@
 and prove after each of those that it computes what the trainer computes.
 
 `EngineLink` is the one interface the RL step uses, whatever runs the engine:
-`submit(step, requests, params, capture) -> Ticket` and `collect(ticket) -> (rollout,
-seconds, version)`, `sync`, `contract_metrics`, `resume`. `rollout` drives them for a
+`submit(step, episodes, capture) -> Ticket` and `collect(ticket) -> (rollout, seconds,
+version)`, `sync`, `contract_metrics`, `resume`. What a ticket samples is a batch of
+episodes (titan_rl.rl.episodes: one turn or many, the link's environment answering between
+turns), run to their end on one engine's weights. `rollout` drives them for a
 training step: with `rollout.max_off_policy_steps = K` the next K steps' rollouts are
 submitted before this one is collected, and the parameter versions they may be rescored at
 are kept behind the link (titan_rl.rl.versions). `ColocatedEngine` is the in-process vLLM
@@ -54,9 +56,9 @@ class Ticket:
 
     version: int  # the training step whose weights sample it
     capture: tuple = ()  # the kinds of the engine's choices recorded with it (titan_rl.choices.KINDS)
-    requests: list | None = None  # colocated: generated when collected
-    params: list | None = None
+    episodes: list | None = None  # colocated: run when collected (titan_rl.rl.episodes.EpisodeRequest)
     future: Future | None = None  # separate, rank 0: -> (outputs per dp share, seconds); None elsewhere
+    step: int = 0  # the training step it is the rollout of
 
 
 class EngineLink(abc.ABC):
@@ -65,8 +67,9 @@ class EngineLink(abc.ABC):
     versions and the contract check."""
 
     def __init__(self, cfg, model: torch.nn.Module, compute_dtype: torch.dtype, ranks: Ranks,
-                 gradient_reduction: str):
+                 gradient_reduction: str, env=None):
         self.cfg, self.model, self.ranks = cfg, model, ranks
+        self.env = env  # what answers between turns (titan_rl.tasks.env); None: one bare reply per request
         self.compute_dtype = compute_dtype
         self.gradient_reduction = gradient_reduction
         # (trainer side, engine side, entries allowed to differ) of the last contract check,
@@ -77,9 +80,9 @@ class EngineLink(abc.ABC):
         self._versions: Versions | None = None
 
     @abc.abstractmethod
-    def submit(self, step: int, requests: list[dict], params: list, capture=()) -> Ticket:
-        """Start (or schedule) the rollout of `requests` during training step `step`, with the
-        weights the engine holds now; `capture`: also record these kinds of the engine's
+    def submit(self, step: int, episodes: list, capture=()) -> Ticket:
+        """Start (or schedule) the rollout of `episodes` (EpisodeRequests) during training step
+        `step`, with the weights the engine holds now; `capture`: also record these kinds of the engine's
         choices (titan_rl.choices.KINDS: the sampler's kept sets, the MoE routes, the
         indexers' key sets), where the engine makes them."""
 
@@ -99,19 +102,27 @@ class EngineLink(abc.ABC):
         whose preparation is vLLM's."""
         return self.cfg.model.kernels != "stock"
 
-    def rollout(self, step: int, requests: list[dict], params: list, requests_of, capture=()
-                ) -> tuple[Rollout, float, int]:
-        """collect() of step `step`'s rollout (`requests`, `params`), submitted now unless it
-        was submitted ahead; first the rollouts of the next max_off_policy_steps steps are
-        submitted (`requests_of(step)` -> (examples, requests, params)), and the current
-        parameters kept as version step - 1 while a rollout sampled with them may be trained on."""
+    def rollout(self, step: int, episodes: list, episodes_of, capture=()) -> tuple[Rollout, float, int]:
+        """collect() of step `step`'s rollout (`episodes`), submitted now unless it was
+        submitted ahead; first the rollouts of the next max_off_policy_steps steps are
+        submitted (`episodes_of(step)` -> their EpisodeRequests), and the current parameters
+        kept as version step - 1 while a rollout sampled with them may be trained on."""
         r = self.cfg.rollout
-        ticket = self._ahead.pop(step, None) or self.submit(step, requests, params, capture)
+        ticket = self._ahead.pop(step, None) or self.submit(step, episodes, capture)
         self.versions.keep(step - 1)
         for ahead in range(step + 1, min(step + r.max_off_policy_steps, self.cfg.training.steps) + 1):
             if ahead not in self._ahead:
-                self._ahead[ahead] = self.submit(ahead, *requests_of(ahead)[1:], capture)
+                self._ahead[ahead] = self.submit(ahead, episodes_of(ahead), capture)
         return self.collect(ticket)
+
+    def episode_run(self, episodes: list, step: int, version: int, version_of=None):
+        """The EpisodeRun of `episodes` with this link's environment and settings (every link
+        runs its episodes through it, on whichever engine samples them)."""
+        from titan_rl.rl.episodes import EpisodeRun
+
+        r = self.cfg.rollout
+        return EpisodeRun(self.env, episodes, max_model_len=r.max_model_len, workers=r.env_workers, version=version,
+                          version_of=version_of, step=step)
 
     @property
     def versions(self) -> Versions:
@@ -120,10 +131,10 @@ class EngineLink(abc.ABC):
             self._versions = Versions(self.model, self.cfg.rollout.max_off_policy_steps)
         return self._versions
 
-    def generate(self, step: int, requests: list[dict], params: list) -> list[list[int]]:
-        """The tokens the engine generates for `requests` at its current weights, nothing
-        recorded beyond them (an evaluation, not a rollout), during training step `step`."""
-        return self.collect(self.submit(step, requests, params))[0].tokens
+    def generate(self, step: int, episodes: list) -> Rollout:
+        """The episodes the engine plays at its current weights, no choices recorded (an
+        evaluation, not a rollout), during training step `step`."""
+        return self.collect(self.submit(step, episodes))[0]
 
     def metrics(self) -> dict:
         """The link's own entries of the step line (none for the colocated engine)."""
@@ -164,8 +175,8 @@ class ColocatedEngine(EngineLink):
     folder of the trainer's model (the compute dtype its forward casts to)."""
 
     def __init__(self, cfg, run_dir: str, model: torch.nn.Module, compute_dtype: torch.dtype, ranks: Ranks,
-                 gradient_reduction: str):
-        super().__init__(cfg, model, compute_dtype, ranks, gradient_reduction)
+                 gradient_reduction: str, env=None):
+        super().__init__(cfg, model, compute_dtype, ranks, gradient_reduction, env)
         self.run_dir = run_dir
         self.llm = None
         self.sync_bytes = 0
@@ -187,20 +198,22 @@ class ColocatedEngine(EngineLink):
         self.llm = make_llm(folder, EngineSettings.for_rollouts(self.cfg, per_rank))
         self._check_contract("before the first rollout")
 
-    def submit(self, step, requests, params, capture=()):
+    def submit(self, step, episodes, capture=()):
         # sampled when collected: the weights synced after step - 1
-        return Ticket(step - 1, tuple(capture), requests, params)
+        return Ticket(step - 1, tuple(capture), episodes, step=step)
 
     def collect(self, ticket):
         if self.llm is None:
             self._start()
         t0 = time.perf_counter()
+        run = self.episode_run(ticket.episodes, ticket.step, ticket.version)
         with contextlib.ExitStack() as stack:
+            # one capture over every turn: a later turn's prefix-cache hits find their donors in it
             records = {name: stack.enter_context(KINDS[name].open_capture(self.llm)) for name in ticket.capture}
-            outs = self.llm.generate(ticket.requests, ticket.params, use_tqdm=False)
+            run.run(lambda prompts, params: self.llm.generate(prompts, params, use_tqdm=False))
         dt = time.perf_counter() - t0
         # read after the captures closed: closing is where they report unattributed steps
-        return Rollout.from_vllm(outs, **records), dt, ticket.version
+        return run.rollout(**records), dt, ticket.version
 
     def sync(self, step):
         from titan_rl.quant_weights import (

@@ -58,8 +58,8 @@ class _Engine:
 
 class SeparateEngines(EngineLink):
     def __init__(self, cfg, run_dir: str, model: torch.nn.Module, compute_dtype: torch.dtype, ranks,
-                 gradient_reduction: str):
-        super().__init__(cfg, model, compute_dtype, ranks, gradient_reduction)
+                 gradient_reduction: str, env=None):
+        super().__init__(cfg, model, compute_dtype, ranks, gradient_reduction, env)
         self.run_dir = run_dir
         self.engines: list[_Engine] = []
         self.version: int | None = None  # the training step whose weights the engines hold
@@ -127,26 +127,27 @@ class SeparateEngines(EngineLink):
         return bool(dead) or not all(_alive(p) for p in e.pids)
 
     # -- sampling --------------------------------------------------------------------------
-    def submit(self, step, requests, params, capture=()):
-        """Gather the ranks' requests for `step` on rank 0 and start generating them with the
-        engines' current weights (returns at once); the captures are opened in the engines'
-        worker processes and their records come back with the outputs."""
+    def submit(self, step, episodes, capture=()):
+        """Gather the ranks' episodes for `step` on rank 0 and start running them with the
+        engines' current weights (returns at once; the environments answer on rank 0); the
+        captures are opened in the engines' worker processes and their records come back
+        with the outputs."""
         if not self.engines and self.version is None:
             self._start(step)
         shares = [None] * self.ranks.world if self.ranks.rank == 0 else None
-        mine = (self.ranks.dp_rank, requests, params)
+        mine = (self.ranks.dp_rank, episodes)
         if self.ranks.world > 1:
             dist.gather_object(mine, shares, dst=0)
         else:
             shares = [mine]
         future = None
         if self.ranks.rank == 0:
-            by_dp: dict[int, tuple] = {}
-            for dp, reqs, ps in shares:
-                by_dp.setdefault(dp, (reqs, ps))
+            by_dp: dict[int, list] = {}
+            for dp, eps in shares:
+                by_dp.setdefault(dp, eps)
             ordered = [by_dp[d] for d in sorted(by_dp)]
-            future = self.thread.submit(self._generate, step, ordered, tuple(capture))
-        p = Ticket(self.version, tuple(capture), future=future)
+            future = self.thread.submit(self._generate, step, ordered, tuple(capture), self.version)
+        p = Ticket(self.version, tuple(capture), future=future, step=step)
         self.started.append(p)
         return p
 
@@ -182,36 +183,40 @@ class SeparateEngines(EngineLink):
             self._dp_of_rank = every
         return self._dp_of_rank
 
-    def _generate(self, step: int, shares: list[tuple], capture: tuple) -> tuple[list[Rollout], float]:
-        """Rank 0's rollout thread: the shares' requests in one global order, cut into one
-        contiguous piece per engine, generated concurrently (each engine's records assembled
+    def _generate(self, step: int, shares: list[list], capture: tuple, version: int) -> tuple[list[Rollout], float]:
+        """Rank 0's rollout thread: the shares' episodes in one global order, cut into one
+        contiguous piece per engine, run concurrently (each engine's records assembled
         against its own piece: its prefix cache is its own); one Rollout per share."""
         t0 = time.perf_counter()
-        flat = [(r, p) for reqs, ps in shares for r, p in zip(reqs, ps)]
+        flat = [ep for eps in shares for ep in eps]
         n = len(self.engines)
         size = -(-len(flat) // n)
         pieces = [flat[i * size:(i + 1) * size] for i in range(n)]
         with ThreadPoolExecutor(max_workers=n) as pool:
-            futures = [pool.submit(self._piece, e, piece, capture) for e, piece in zip(self.engines, pieces)]
+            futures = [pool.submit(self._piece, e, piece, capture, step, version)
+                       for e, piece in zip(self.engines, pieces)]
             results = [f.result() for f in futures]
         for i, got in enumerate(results):
             if got is None:  # the engine died: restarted here, in the long-lived rollout thread
                 # (an engine process dies with the thread that started it), or the run stops
                 self.engines[i] = self._restart(self.engines[i], f"the rollout of step {step}")
-                results[i] = self._piece(self.engines[i], pieces[i], capture)
+                results[i] = self._piece(self.engines[i], pieces[i], capture, step, version)
                 if results[i] is None:
                     raise RunStopped(self._death(self.engines[i], f"the rollout of step {step} (after a restart)"))
         whole = Rollout.join(results)
         dt = time.perf_counter() - t0
         grouped, at = [], 0
-        for reqs, _ in shares:
-            grouped.append(whole.rows(at, at + len(reqs)))
-            at += len(reqs)
+        rows_each = self.episode_run([], step, version).parts  # an episode's rows: one function of the environment
+        for eps in shares:
+            grouped.append(whole.rows(at, at + len(eps) * rows_each))
+            at += len(eps) * rows_each
         return grouped, dt
 
-    def _piece(self, e: _Engine, piece: list, capture: tuple) -> Rollout | None:
-        """Engine e's Rollout of `piece`, with the records of `capture` made in its worker
-        (TP: the first worker's; each computes every token's choices); None when its process died."""
+    def _piece(self, e: _Engine, piece: list, capture: tuple, step: int, version: int) -> Rollout | None:
+        """Engine e's Rollout of the episodes `piece`, with the records of `capture` made in
+        its worker (TP: the first worker's; each computes every token's choices); None when
+        its process died (a rerun replays the same episodes: their environments start anew
+        from the same starts)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if not piece:
@@ -230,11 +235,14 @@ class SeparateEngines(EngineLink):
 
         threading.Thread(target=watch, name=f"titan_rl-engine{e.index}-watch", daemon=True).start()
         try:
+            # each turn's version: what the engine holds when it samples (a sync waits for the
+            # rollouts started before it, so an episode runs on one version: mixed_version_tokens 0)
+            run = self.episode_run(piece, step, version, version_of=lambda: self.version)
             if capture:
                 e.llm.collective_rpc("titan_capture_begin", args=(list(capture),))
-            outs = e.llm.generate([r for r, _ in piece], [p for _, p in piece], use_tqdm=False)
+            run.run(lambda prompts, params: e.llm.generate(prompts, params, use_tqdm=False))
             records = pickle.loads(e.llm.collective_rpc("titan_capture_end")[0]) if capture else {}
-            return Rollout.from_vllm(outs, **records)
+            return run.rollout(**records)
         except EngineDeadError:
             return None
         finally:

@@ -40,12 +40,13 @@ from titan_rl.rl.links import link_for
 from titan_rl.rl.optimizer_step import OptimizerStep
 from titan_rl.rl.global_batch import rank_share
 from titan_rl.rl.ranks import Ranks
-from titan_rl.rl.requests import step_requests
+from titan_rl.rl.episodes import episode_metrics
+from titan_rl.rl.requests import step_episodes
 from titan_rl.rl.rewards import step_rewards
 from titan_rl.rl.seeds import sft_seed
 from titan_rl.rollout import ScoredBatch, pad_sequences, response_mask
 from titan_rl.run_dir import MetricsFile, console_line
-from titan_rl.tasks import load_task
+from titan_rl.tasks import as_environment, load_task
 
 if TYPE_CHECKING:
     from titan_rl.config import Config
@@ -56,16 +57,17 @@ class RLTrainer(Trainer):
         self.rl, self.run_dir = rl, run_dir
         self.task = task if task is not None else load_task(rl.task.name, checkpoint=rl.model.checkpoint or None,
                                                             **rl.task.kwargs)
+        self.env = as_environment(self.task)  # a Task is the one-turn case of the rollout loop
         self.config_changes = config_changes or {}
         self._skipped = False
         super().__init__(config)
         # the TP ranks of one data-parallel replica take the same share of the global batch
         self.ranks = Ranks.of(self.parallel_dims)
         self.plan = plan_for(rl, self.model, self.ranks)
-        self.evaluation = RunEvaluation(rl, self.task, self.ranks) if rl.eval.interval else None
+        self.evaluation = RunEvaluation(rl, self.env, self.ranks) if rl.eval.interval else None
         compute_dtype = DTYPES[self.config.training.mixed_precision_param]
         contract.check_ranks(contract.contract_of(self.model, dtype=compute_dtype, gradient_leaves=self.plan.reduction))
-        self.engine = link_for(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction)
+        self.engine = link_for(rl, run_dir, self.model, compute_dtype, self.ranks, self.plan.reduction, self.env)
         self.metrics = MetricsFile(run_dir, self.ranks.rank)
         self._resumed_checked = False
         self.corrections = rl.correction
@@ -139,10 +141,12 @@ class RLTrainer(Trainer):
 
     def _rl_step(self) -> dict:
         a, r = self.rl.algorithm, self.ranks
-        examples, rollout, t_roll, version = self._rollout()
+        episodes, rollout, t_roll, version = self._rollout()
         lag = self.step - 1 - version  # the weights' age in optimizer steps (0 = on-policy)
-        rewards = step_rewards(self.rl, self.task, r, self.step, examples, rollout.tokens)
-        adv = group_advantages(rewards, a.group_size, scale=a.advantage_scale)
+        rewards = step_rewards(self.rl, self.env, r, self.step, episodes, rollout)
+        # group advantages over whole episodes; each of an episode's rows (its parts) carries its own
+        parts = len(rollout) // len(episodes)
+        adv = group_advantages(rewards[::parts], a.group_size, scale=a.advantage_scale).repeat_interleave(parts)
         pad = self.task.tokenizer.pad_id
         b = ScoredBatch.of(rollout, self.plan.widen(rollout.batch(pad), pad))
         B = b.tokens.shape[0]
@@ -177,12 +181,13 @@ class RLTrainer(Trainer):
         metrics.update({name: self.plan.piece_mean(values) for name, values in update["aux"].items()})
         t0 = time.perf_counter()
         same = self.engine.sync(self.step)
-        times["weight_sync"], times["rollout"] = time.perf_counter() - t0, t_roll
+        times["weight_sync"], times["rollout"], times["env"] = time.perf_counter() - t0, t_roll, rollout.env_seconds
         n_tok = int(b.mask.sum())
         stats = self.plan.batch_stats(rewards, n_tok, B, b.loss_mask, update["pieces"])
         metrics.update({
             "phase": "rl",
             "rollout_sha256": r.digest_dp(rollout.digests(rewards)),
+            **self._episode_metrics(rollout),
             "reward_mean": stats["reward_mean"],
             "response_length": stats["response_length"],
             "loss": update["loss"],
@@ -272,16 +277,27 @@ class RLTrainer(Trainer):
 
     # -- the step's pieces -------------------------------------------------------------
     def _rollout(self) -> tuple[list, object, float, int]:
-        """Sample this data-parallel rank's share of the step's global prompts: (the task
-        example of each request, the rollout, seconds spent in generate, the training step
-        whose weights sampled it)."""
-        a = self.rl.algorithm
-        examples, reqs, params = self._requests(self.step)
-        rollout, dt, version = self.engine.rollout(self.step, reqs, params, self._requests, self.choices.capture)
-        return [examples[j // a.group_size] for j in range(len(rollout))], rollout, dt, version
+        """Run this data-parallel rank's share of the step's global episodes: (the episodes,
+        the rollout, seconds spent in the loop, the training step whose weights sampled it)."""
+        episodes = self._episodes(self.step)
+        rollout, dt, version = self.engine.rollout(self.step, episodes, self._episodes, self.choices.capture)
+        return episodes, rollout, dt, version
 
-    def _requests(self, step: int) -> tuple[list, list, list]:
-        return step_requests(self.rl, self.task, self.ranks, step)
+    def _episodes(self, step: int) -> list:
+        return step_episodes(self.rl, self.env, self.ranks, step)
+
+    def _episode_metrics(self, rollout) -> dict:
+        """Turns, samples, render breaks, re-render divergence, environment errors and tokens
+        sampled under other weights than the rollout's, over the global batch's episodes."""
+        sums = episode_metrics(rollout)
+        n, turns, samples, breaks, diverged, errors, mixed = self.ranks.reduce_sums(list(sums.values()), over_dp=True)
+        m = {"mixed_version_tokens": int(mixed)}
+        if self.env.max_turns > 1:
+            m.update(turns_per_episode=turns / n, samples_per_episode=samples / n, render_breaks=int(breaks),
+                     rerender_divergence=int(diverged))
+        if errors:
+            m["env_errors"] = int(errors)
+        return m
 
     def _step_optimizer(self, loss: float) -> float:
         grad_norm, skipped = self.optimizer_step(loss, self.step)

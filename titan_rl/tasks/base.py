@@ -28,6 +28,7 @@ REPLACEMENT_CHAR = "\ufffd"
 BUILTIN_TASKS: dict[str, str] = {
     "digit_reverse": "titan_rl.tasks.digits:DigitReverseTask",
     "digit_add": "titan_rl.tasks.digits:DigitAddTask",
+    "digit_turns": "titan_rl.tasks.digits:DigitTurnsEnvironment",  # multi-turn (titan_rl.tasks.env)
 }
 # "<prefix>:<argument>" names of tasks built from a library or a data file: the class, and
 # the constructor keyword the argument goes to. These prefixes are never read as modules.

@@ -6,7 +6,8 @@ tokenizer, and one SFT warm-up, can serve either.
 
 from __future__ import annotations
 
-from .base import CharTokenizer, Example, Task
+from .base import CharTokenizer, Example, Task, match_reward
+from .env import Environment
 
 DIGITS_ALPHABET = "0123456789+=:rev"
 
@@ -85,3 +86,37 @@ class DigitAddTask(Task):
             b = self._operand(rng, rng.randint(self.min_len, self.max_len))
             out.append(self.make_example(a, b))
         return out
+
+
+class DigitTurnsEnvironment(Environment):
+    """Several digit reversals in one conversation, for the debug models: the environment
+    states "rev:4821=" and the reply should be "1284" and EOS; then it states the next one,
+    for `turns` turns. Plain text (no chat template): each question's characters are
+    appended to the stream after the reply's EOS. Reward: the mean of match_reward over the
+    `turns` questions (a question not reached scores 0)."""
+
+    name = "digit_turns"
+
+    def __init__(self, turns: int = 3, min_len: int = 2, max_len: int = 4):
+        if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+            raise ValueError(f"DigitTurnsEnvironment: turns must be an int >= 1, got {turns!r}")
+        self.questions = DigitReverseTask(min_len, max_len)
+        self.tokenizer = self.questions.tokenizer
+        self.max_new_tokens = self.questions.max_new_tokens
+        self.max_turns = turns
+
+    def reset(self, start: int):
+        examples = self.questions.sample(self.max_turns, seed=start)
+        return {"examples": examples, "scores": []}, list(examples[0].prompt_ids)
+
+    def step(self, state, reply):
+        scores, examples = state["scores"], state["examples"]
+        scores.append(match_reward(examples[len(scores)].answer, reply.ids, self.tokenizer))
+        return None if len(scores) == len(examples) else examples[len(scores)].prompt_text
+
+    def reward(self, state) -> float:
+        return sum(state["scores"]) / self.max_turns
+
+    def sft_pairs(self, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+        """The first question's (prompt, target) of n episodes (the format; later turns follow it)."""
+        return self.questions.sft_pairs(n, seed)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from .base import Example, Task, is_held_out  # noqa: F401  (is_held_out: for environments' own seed ranges)
+from .base import HELD_OUT_SEEDS, Example, Task, is_held_out
 
 # Chat messages as the template renders them: {"role": ..., "content": ...}
 Messages = list[dict]
@@ -61,7 +61,8 @@ class Environment(abc.ABC):
         titan_rl.tasks.HELD_OUT_SEEDS, give held-out ones)."""
         from titan_rl.rl.seeds import step_seed
 
-        base = 1 << 30 if is_held_out(seed) else 0  # keep the two ranges apart after the hash
+        # training seeds hash below 2**31 - 1; held-out ones are moved to HELD_OUT_SEEDS and up
+        base = HELD_OUT_SEEDS if is_held_out(seed) else 0
         return [base + step_seed(seed, i) for i in range(n)]
 
     @abc.abstractmethod
