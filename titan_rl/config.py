@@ -72,6 +72,7 @@ class RolloutConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 0  # 0 = vLLM's default (no forced chunking)
     enable_prefix_caching: bool = True
+    block_size: int = 0  # the KV cache's block (a prefix-cache hit's grain); 0 = vLLM's default
     max_model_len: int = 1024
     # MoE models: "off" = the trainer's router chooses (expert_disagreement is measured),
     # "replay" = the trainer uses exactly the experts the sampler recorded.
@@ -520,6 +521,8 @@ _RANGES = [
     ("rollout.kv_cache_mib", lambda v: v >= 1, ">= 1"),
     ("rollout.max_num_seqs", lambda v: v >= 1, ">= 1"),
     ("rollout.env_workers", lambda v: v >= 1, ">= 1"),
+    ("rollout.block_size", lambda v: v == 0 or v % 32 == 0, "0 (vLLM's default) or a multiple of 32 (the CPU "
+     "attention's blocks)"),
     ("rollout.max_num_batched_tokens", lambda v: v >= 0, ">= 0 (0 = vLLM's default)"),
     ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
     ("parity.num_prompts", lambda v: v >= 1, ">= 1"),

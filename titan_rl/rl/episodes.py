@@ -75,6 +75,7 @@ class EpisodeInfo:
     rerender_diverged: bool  # a re-render of the conversation would have changed the tokens
     render_breaks: int  # turns where the template could not be bridged
     mixed_version_tokens: int  # sampled under other weights than the rollout's version
+    cached_tokens: int  # prompt tokens of its turns the engine's prefix cache served (earlier turns' KV)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class _Episode:
     diverged: bool = False
     breaks: int = 0
     mixed: int = 0
+    cached: int = 0
     random_state: object = None
     reply: Reply | None = None
     pending: object = None  # the environment's answer to the last reply
@@ -209,6 +211,7 @@ class EpisodeRun:
         part.turns.append((out.request_id, ids))
         self.outputs.append(out)
         ep.turns += 1
+        ep.cached += out.num_cached_tokens or 0
         if version != self.version:
             ep.mixed += len(ids)
         text = self.env.tokenizer.decode(ids) if self.env is not None else ""
@@ -310,7 +313,7 @@ class EpisodeRun:
         for ep in self.episodes:
             info = dict(index=ep.req.index, parts=self.parts, turns=ep.turns, samples=len(ep.parts), end=ep.end,
                         reason=ep.reason, reward=ep.reward, rerender_diverged=ep.diverged, render_breaks=ep.breaks,
-                        mixed_version_tokens=ep.mixed)
+                        mixed_version_tokens=ep.mixed, cached_tokens=ep.cached)
             for k in range(self.parts):
                 part = ep.parts[k] if k < len(ep.parts) else _Part([pad])
                 if not part.prompt:  # reset failed before an opening: an empty row
@@ -360,7 +363,8 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
             "render_breaks": float(sum(e.render_breaks for e in firsts)),
             "rerender_divergence": float(sum(e.rerender_diverged for e in firsts)),
             "env_errors": float(sum(e.end in ERROR_ENDS for e in firsts)),
-            "mixed_version_tokens": float(sum(e.mixed_version_tokens for e in firsts))}
+            "mixed_version_tokens": float(sum(e.mixed_version_tokens for e in firsts)),
+            "cached_tokens": float(sum(e.cached_tokens for e in firsts))}
 
 
 class _Bad(Exception):

@@ -290,11 +290,12 @@ class RLTrainer(Trainer):
         """Turns, samples, render breaks, re-render divergence, environment errors and tokens
         sampled under other weights than the rollout's, over the global batch's episodes."""
         sums = episode_metrics(rollout)
-        n, turns, samples, breaks, diverged, errors, mixed = self.ranks.reduce_sums(list(sums.values()), over_dp=True)
+        n, turns, samples, breaks, diverged, errors, mixed, cached = self.ranks.reduce_sums(list(sums.values()),
+                                                                                           over_dp=True)
         m = {"mixed_version_tokens": int(mixed)}
         if self.env.max_turns > 1:
             m.update(turns_per_episode=turns / n, samples_per_episode=samples / n, render_breaks=int(breaks),
-                     rerender_divergence=int(diverged))
+                     rerender_divergence=int(diverged), prefix_cached_tokens=int(cached))
         if errors:
             m["env_errors"] = int(errors)
         return m

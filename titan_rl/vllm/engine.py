@@ -54,7 +54,8 @@ class EngineSettings:
         return cls(**{**dict(arch=m.name, kernels=m.kernels, dtype=m.dtype, seed=cfg.training.seed,
                              kv_cache_mib=r.kv_cache_mib, max_model_len=r.max_model_len,
                              max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens or None,
-                             enable_prefix_caching=r.enable_prefix_caching, quantization=cfg.quantization.recipe),
+                             enable_prefix_caching=r.enable_prefix_caching, quantization=cfg.quantization.recipe,
+                             block_size=r.block_size or None),
                          **overrides})
 
     @classmethod
