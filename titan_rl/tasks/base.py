@@ -36,6 +36,8 @@ LIBRARY_TASKS: dict[str, tuple[str, str]] = {
     "reasoning_gym": ("titan_rl.tasks.library:ReasoningGymTask", "dataset"),
     "jsonl": ("titan_rl.tasks.library:JsonlTask", "path"),
     "parquet": ("titan_rl.tasks.library:ParquetTask", "path"),
+    "textarena": ("titan_rl.tasks.textarena_env:TextArenaEnvironment", "env_id"),
+    "tool": ("titan_rl.tasks.tool_env:CalculatorEnvironment", "dataset"),
 }
 
 # Seeds at or above HELD_OUT_SEEDS draw held-out questions (evaluation); training draws
@@ -205,7 +207,8 @@ class Task(abc.ABC):
 def load_task(path: str, checkpoint: str | None = None, **kwargs):
     """Build a task from a built-in short name (see BUILTIN_TASKS), a library name
     "<prefix>:<argument>" (see LIBRARY_TASKS: "reasoning_gym:<dataset>", "jsonl:<path>",
-    "parquet:<path>") or "package.module:ClassName".
+    "parquet:<path>", the environments "textarena:<EnvId>" and "tool:<dataset>") or
+    "package.module:ClassName".
 
     kwargs go to the class constructor. A class with `needs_checkpoint` (every chat and
     library task) also gets `checkpoint`, the model folder whose tokenizer and chat template

@@ -44,45 +44,62 @@ class ReasoningGymTask(ChatTask):
 
     def __init__(self, dataset: str, checkpoint: str, *, chat: bool = True, system: str = ANSWER_FORMAT,
                  max_new_tokens: int = 256, **config):
-        import reasoning_gym
-        from reasoning_gym.factory import DATASETS
-
-        if dataset not in DATASETS:
-            close = difflib.get_close_matches(dataset, list(DATASETS), n=5, cutoff=0.5)
-            hint = f"; close names: {', '.join(close)}" if close else f"; there are {len(DATASETS)}, e.g. " + \
-                ", ".join(sorted(DATASETS)[:8])
-            raise ValueError(f"reasoning-gym has no dataset {dataset!r}{hint}")
-        for key in ("seed", "size"):
-            if key in config:
-                raise ValueError(f"reasoning_gym:{dataset}: task.kwargs may not set {key} = {config[key]!r}: the task "
-                                 f"draws questions by its own seeds (titan_rl.tasks.library.ReasoningGymTask)")
         self.name = f"reasoning_gym:{dataset}"
         self.dataset, self.config = dataset, dict(config)
-        try:
-            # scores with the run's config (a scorer may read it, e.g. a tolerance)
-            self._scorer = reasoning_gym.create_dataset(dataset, size=1, seed=0, **config)
-        except (TypeError, ValueError, AssertionError) as e:
-            fields = [f for f in getattr(DATASETS[dataset][1], "__dataclass_fields__", {}) if f not in ("seed", "size")]
-            raise ValueError(f"reasoning_gym:{dataset}: its config refuses task.kwargs {config!r}: "
-                             f"{type(e).__name__}: {e or 'invalid value'} (its config keys: {', '.join(fields)}; "
-                             f"this task's own: chat, system, max_new_tokens)") from None
+        # scores with the run's config (a scorer may read it, e.g. a tolerance)
+        self._scorer = open_reasoning_gym(dataset, self.config, name=self.name, owner=type(self),
+                                          own_keys=("chat", "system", "max_new_tokens"))
         super().__init__(checkpoint, chat=chat, system=system, max_new_tokens=max_new_tokens)
 
     def sample(self, n: int, seed: int) -> list[Example]:
-        import reasoning_gym
-
         self._check_n(n)
         self._rng(seed)  # the seed's type check
-        if n == 0:
-            return []
-        data = reasoning_gym.create_dataset(self.dataset, size=n, seed=seed * ITEM_STRIDE, **self.config)
-        return [self.make_example(entry["question"], str(entry["answer"]), meta=entry) for entry in data]
+        return [self.make_example(entry["question"], str(entry["answer"]), meta=entry)
+                for entry in draw_reasoning_gym(self.dataset, self.config, n, seed)]
 
     def score(self, answer: str, example: Example) -> float:
         try:
             return float(self._scorer.score_answer(answer, example.meta))
         except Exception:  # the library's parser on arbitrary model text: unreadable = wrong
             return 0.0
+
+
+def open_reasoning_gym(dataset: str, config: dict, *, name: str, owner: type, own_keys: tuple[str, ...]):
+    """The dataset's scorer (a one-item dataset built with `config`), after the checks every
+    reasoning-gym task makes: a known dataset (else close names), no `seed` or `size` in
+    `config` (the task draws by its own seeds), a config the dataset accepts. `name` and
+    `owner` word the refusals; `own_keys` are the owner's own task.kwargs, listed beside
+    the dataset's config keys."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if dataset not in DATASETS:
+        close = difflib.get_close_matches(dataset, list(DATASETS), n=5, cutoff=0.5)
+        hint = f"; close names: {', '.join(close)}" if close else f"; there are {len(DATASETS)}, e.g. " + \
+            ", ".join(sorted(DATASETS)[:8])
+        raise ValueError(f"reasoning-gym has no dataset {dataset!r}{hint}")
+    for key in ("seed", "size"):
+        if key in config:
+            raise ValueError(f"{name}: task.kwargs may not set {key} = {config[key]!r}: the task draws questions "
+                             f"by its own seeds ({owner.__module__}.{owner.__qualname__})")
+    try:
+        return reasoning_gym.create_dataset(dataset, size=1, seed=0, **config)
+    except (TypeError, ValueError, AssertionError) as e:
+        fields = [f for f in getattr(DATASETS[dataset][1], "__dataclass_fields__", {}) if f not in ("seed", "size")]
+        raise ValueError(f"{name}: its config refuses task.kwargs {config!r}: {type(e).__name__}: "
+                         f"{e or 'invalid value'} (its config keys: {', '.join(fields)}; this task's own: "
+                         f"{', '.join(own_keys)})") from None
+
+
+def draw_reasoning_gym(dataset: str, config: dict, n: int, seed: int) -> list[dict]:
+    """Items 0..n-1 of the dataset of seed `seed * ITEM_STRIDE`: a pure function of (n,
+    seed), a prefix of a longer draw, training and held-out seeds never sharing a generator
+    seed (ReasoningGymTask.sample and the environments on reasoning-gym draw this way)."""
+    import reasoning_gym
+
+    if n == 0:
+        return []
+    return list(reasoning_gym.create_dataset(dataset, size=n, seed=seed * ITEM_STRIDE, **config))
 
 
 def math_equal(reference: str, answer: str) -> bool:
@@ -227,4 +244,5 @@ def _split(rows: list[tuple], fraction: float) -> tuple[list[tuple], list[tuple]
     return [r for r in rows if key(r[0]) not in held], [r for r in rows if key(r[0]) in held]
 
 
-__all__ = ["ANSWER_FORMAT", "ITEM_STRIDE", "JsonlTask", "ParquetTask", "ReasoningGymTask", "math_equal"]
+__all__ = ["ANSWER_FORMAT", "ITEM_STRIDE", "JsonlTask", "ParquetTask", "ReasoningGymTask", "draw_reasoning_gym",
+           "math_equal", "open_reasoning_gym"]
