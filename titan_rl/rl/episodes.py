@@ -237,8 +237,8 @@ class EpisodeRun:
         if joined.rerendered is not None and part.stream + joined.ids != joined.rerendered:
             ep.diverged = True
         if len(part.stream) + len(joined.ids) >= self.max_model_len:
-            return ep.finish(MAX_MODEL_LEN, f"the environment's turn-{turn + 1} messages ({len(joined.ids)} tokens) "
-                                            f"overflow rollout.max_model_len = {self.max_model_len}")
+            return ep.finish(MAX_MODEL_LEN, f"the environment's answer to reply {turn + 1} ({len(joined.ids)} tokens) "
+                                            f"overflows rollout.max_model_len = {self.max_model_len}")
         part.context(joined.ids)
 
     def _score(self) -> None:
