@@ -23,6 +23,7 @@ def register() -> None:
     from titan_rl.vllm import weight_transfer
 
     _text_only_vl_imports()
+    _cpu_generators()
     for spec in map(get_architecture, list_architectures()):
         if spec.vllm_architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(spec.vllm_architecture, spec.vllm_class)
@@ -56,6 +57,17 @@ def _engine_process() -> None:
         install_logprobs()
         if mode == "processed_logprobs":
             install()
+
+
+def _cpu_generators() -> None:
+    """vLLM's CPU worker cannot rewind a seeded request's generator after a discarded
+    chunked-prefill sample (titan_rl/vllm/cpu_generators.py); only where torch has no CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from titan_rl.vllm.cpu_generators import install
+
+        install()
 
 
 def _die_with_parent() -> None:
