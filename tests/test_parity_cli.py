@@ -37,3 +37,29 @@ def test_parity_cli_bad_config_is_a_clear_error(capsys):
 
     assert main(["--config", "train_configs/debug.toml", "--model.flavour=debug"]) == 2
     assert "did you mean 'flavor'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_parity_on_multi_turn_episodes_is_bitwise_on_every_turn_and_stock_is_not(tmp_path, dtype):
+    """parity.episodes: both engines play the built-in multi-turn environment (4 turns each,
+    later turns on the prefix cache); exact: every sampled token of every turn bitwise equal;
+    stock (vLLM's own model, plain-torch trainer): not. The detail records each token's turn
+    and position in its reply, which the report slices by."""
+    from titan_rl.parity import main
+    from titan_rl.report import main as report_main
+
+    out = tmp_path / "p.json"
+    rc = main(["--config", "train_configs/debug.toml", "--kernels", "both", "--detail", "--json", str(out),
+               f"--model.dtype={dtype}", "--parity.episodes=4", "--task.name=digit_turns",
+               "--task.kwargs={turns = 4, min_len = 7, max_len = 11}", "--rollout.block_size=32",
+               "--rollout.max_model_len=128", "--parity.full_vocab_prompts=1"])
+    assert rc == 0
+    exact, stock = json.loads(out.read_text())["results"]
+    for r in (exact, stock):
+        assert r["episodes"] == 4 and r["turns_per_episode"] == 4 and r["prefix_cached_tokens"] > 0, r
+        assert sorted(set(r["turn"])) == [0, 1, 2, 3] and len(r["turn"]) == len(r["position"]) == r["tokens"]
+    assert exact["max_abs_dlogp"] == 0.0 and exact["bitwise_fraction"] == 1.0
+    assert exact["full_vocab_max_abs_dlogp"] == 0.0
+    assert stock["max_abs_dlogp"] > 0.0  # the stock column is a real measurement
+    assert report_main([str(out)]) == 0
+    assert "mean |log ratio| by turn" in (tmp_path / "p.html").read_text()

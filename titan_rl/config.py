@@ -105,6 +105,9 @@ class ParityConfig:
     full_vocab_prompts: int = 2  # requests whose full-vocabulary log-probs are compared
     trainer_batch_sizes: list[int] = field(default_factory=lambda: [1, 3, 8])
     seed: int = 0
+    # > 0: instead of random prompts, play this many episodes of [task] (one turn or many,
+    # titan_rl.rl.episodes) on each engine and rescore every sampled token of every turn
+    episodes: int = 0
 
 
 # -- titan_rl's own RL sections --------------------------------------------------------
@@ -560,7 +563,9 @@ def _check_titan_sections(cfg: Config) -> None:
 
 def validate_parity(cfg: Config) -> None:
     p, s = cfg.parity, cfg.sampling
-    if p.prompt_len_max + s.max_tokens > cfg.rollout.max_model_len:
+    if p.episodes < 0:
+        raise ConfigError(f"parity.episodes = {p.episodes}: must be >= 0 (0: random prompts)")
+    if p.episodes == 0 and p.prompt_len_max + s.max_tokens > cfg.rollout.max_model_len:
         raise ConfigError(f"parity.prompt_len_max + sampling.max_tokens = {p.prompt_len_max + s.max_tokens} exceeds "
                           f"rollout.max_model_len = {cfg.rollout.max_model_len}")
 

@@ -4,6 +4,10 @@
         [--num-prompts N] [--seed S] [--json OUT]
 
 The kernel mode is model.kernels from the config unless --kernels names one, or both.
+With parity.episodes = N the engines play N episodes of the config's [task] instead of
+random prompts (titan_rl.rl.episodes: a multi-turn environment's whole conversations,
+token in and token out, later turns on the prefix cache) and every sampled token of every
+turn is rescored; --detail then also records each token's turn and position in its reply.
 exact: vLLM runs our registered wrapper (kernels="exact"), the trainer side runs the
        same model definition with the same kernels. Expect max_abs_dlogp == 0.
 stock: vLLM runs its built-in implementation of the architecture; the trainer side
@@ -113,6 +117,35 @@ def sample(llm, prompts, cfg: config_mod.Config, full_vocab: int, routes: bool =
     return Rollout.from_vllm(outs, routes=rec, indices=idx)
 
 
+def play(llm, cfg: config_mod.Config, env, n: int, seed: int, full_vocab: int, routes: bool = False,
+         indices: bool = False) -> Rollout:
+    """n episodes of `env` (one per start of env.starts(n, seed)), each seeded by its index,
+    played on `llm` to their end; the first `full_vocab` record every token's log-prob."""
+    import contextlib
+
+    from vllm import SamplingParams
+
+    from titan_rl.rl.episodes import EpisodeRequest, EpisodeRun
+    from titan_rl.rl.requests import stop_ids
+    from titan_rl.vllm.routes import capture_routes
+
+    s = cfg.sampling
+    episodes = [EpisodeRequest(i, start, SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0, max_tokens=env.max_new_tokens,
+        stop_token_ids=stop_ids(env.tokenizer), seed=seed * 100_003 + i, logprobs=-1 if i < full_vocab else 0))
+        for i, start in enumerate(env.starts(n, seed))]
+    run = EpisodeRun(env, episodes, max_model_len=cfg.rollout.max_model_len, workers=cfg.rollout.env_workers)
+    with contextlib.ExitStack() as stack:
+        rec = stack.enter_context(capture_routes(llm)) if routes else None
+        idx = None
+        if indices:
+            from titan_rl.vllm.indices import capture_indices
+
+            idx = stack.enter_context(capture_indices(llm))
+        run.run(lambda prompts, params: llm.generate(prompts, params, use_tqdm=False))
+    return run.rollout(routes=rec, indices=idx)
+
+
 @dataclass
 class Scores:
     """The trainer side's view of a Rollout, one entry per request (R_i sampled tokens, P_i prompt tokens)."""
@@ -150,8 +183,10 @@ def rescore(model, rollout: Rollout, batch_sizes: list[int], replay_indices: boo
         own_sets = choice_points.own(model, "indices")  # sparse attention: the trainer indexers' choice
         own_sets = torch.stack(own_sets, 1).view(*batch.shape, len(own_sets), -1) if own_sets else None
         for r, j in enumerate(rows):
-            lp = logp[r, rollout.response_span(j)]
-            scores.pi.append(lp.gather(-1, torch.tensor(rollout.tokens[j])[:, None])[:, 0])
+            lp, toks = logp[r, rollout.response_span(j)], torch.tensor(rollout.tokens[j], dtype=torch.long)
+            if rollout.sampled is not None:  # an episode's row: only the engine's tokens, not the context
+                lp, toks = lp[rollout.sampled[j]], toks[rollout.sampled[j]]
+            scores.pi.append(lp.gather(-1, toks[:, None])[:, 0])
             scores.entropy.append(-(lp.exp() * lp).nansum(-1))
             scores.full.append(lp.clone() if rollout.full[j] is not None else None)
             n = len(rollout.prompts[j]) + len(rollout.tokens[j]) - 1
@@ -169,21 +204,34 @@ def rescore(model, rollout: Rollout, batch_sizes: list[int], replay_indices: boo
 def detail(rollout: Rollout, scores: Scores) -> dict:
     """Per-token arrays for the report (titan_rl.report): log ratio, both log-probs, the
     token's index in its completion and the trainer's entropy there."""
-    pi, mu = torch.cat(scores.pi).tolist(), torch.cat(rollout.mu).tolist()
-    return {
+    mu = rollout.mu if rollout.sampled is None else [m[s] for m, s in zip(rollout.mu, rollout.sampled)]
+    pi, mu = torch.cat(scores.pi).tolist(), torch.cat(mu).tolist()
+    out = {
         "log_ratio": [p - m for p, m in zip(pi, mu)],
         "pi": pi,
         "mu": mu,
         "position": [i for toks in rollout.tokens for i in range(len(toks))],
         "entropy": torch.cat(scores.entropy).tolist(),
     }
+    if rollout.episodes is not None:  # episodes: the turn of each token and its position in that reply
+        turns = [e.turn_positions() for e in rollout.episodes]
+        out["turn"] = [t for ts, _ in turns for t in ts]
+        out["position"] = [k for _, ks in turns for k in ks]
+    return out
 
 
 def compare(rollout: Rollout, scores: Scores, index_selection: str = "pinned") -> dict:
     """The parity JSON's statistics (titan_rl.metrics): sampled-token log-probs, full rows
     where recorded, for MoE the experts, for sparse attention the selected key sets (and the
     bytes per token the mode ships: the record under replay, 0 pinned)."""
-    out = logprob_mismatch(torch.cat(scores.pi), torch.cat(rollout.mu))
+    mu = rollout.mu if rollout.sampled is None else [m[s] for m, s in zip(rollout.mu, rollout.sampled)]
+    out = logprob_mismatch(torch.cat(scores.pi), torch.cat(mu))
+    if rollout.episodes is not None:
+        firsts = [e for e in rollout.episodes if e.part == 0]
+        out.update(episodes=len(firsts), turns_per_episode=sum(e.turns for e in firsts) / max(len(firsts), 1),
+                   prefix_cached_tokens=sum(e.cached_tokens for e in firsts),
+                   render_breaks=sum(e.render_breaks for e in firsts),
+                   rerender_divergence=sum(e.rerender_diverged for e in firsts))
     fulls = [(a, b) for a, b in zip(scores.full, rollout.full) if a is not None]
     if fulls:
         out.update(full_vocab_mismatch(fulls))
@@ -236,17 +284,21 @@ def run_transformers_pair(cfg, folder, prompts, seed: int, reason: str, progress
 
 
 def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=print,
-               with_detail: bool = False) -> dict:
+               with_detail: bool = False, env=None) -> dict:
+    """One engine's column: sample `prompts` (or, with `env`, play cfg.parity.episodes of its
+    episodes), rescore on the trainer side, compare."""
     from titan_rl.checkpoint import load_hf_folder
     from titan_rl.vllm.engine import EngineSettings, make_llm
 
     t0 = time.perf_counter()
     llm = make_llm(folder, EngineSettings.from_config(cfg, kernels=kernels, seed=seed))
-    progress(f"[{kernels}] engine ready in {time.perf_counter() - t0:.1f}s; sampling {len(prompts)} prompts")
+    what = f"playing {cfg.parity.episodes} episodes" if env is not None else f"sampling {len(prompts)} prompts"
+    progress(f"[{kernels}] engine ready in {time.perf_counter() - t0:.1f}s; {what}")
     t0 = time.perf_counter()
     spec = get_architecture(cfg.model.name)
-    rollout = sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, routes=spec.moe,
-                     indices=spec.sparse_attention and kernels == "exact")
+    capture = dict(routes=spec.moe, indices=spec.sparse_attention and kernels == "exact")
+    rollout = play(llm, cfg, env, cfg.parity.episodes, seed, cfg.parity.full_vocab_prompts, **capture) \
+        if env is not None else sample(llm, prompts, cfg, cfg.parity.full_vocab_prompts, **capture)
     t_roll = time.perf_counter() - t0
     progress(f"[{kernels}] sampled {rollout.num_tokens} tokens in {t_roll:.1f}s; rescoring")
     dtype = DTYPES[cfg.model.dtype]
@@ -275,7 +327,8 @@ def run_engine(cfg, folder, kernels: KernelMode, prompts, seed: int, progress=pr
 
 def print_table(results: list[dict], file=None) -> None:
     file = sys.stdout if file is None else file  # looked up at call time (capture, redirection)
-    keys = ["tokens", "bitwise_fraction", "max_abs_dlogp", "mean_abs_dlogp", "k3_mean", "k3_max",
+    keys = ["episodes", "turns_per_episode", "prefix_cached_tokens", "tokens", "bitwise_fraction", "max_abs_dlogp",
+            "mean_abs_dlogp", "k3_mean", "k3_max",
             "full_vocab_max_abs_dlogp", "expert_disagreement", "route_bytes_per_token", "index_disagreement",
             "index_bytes_per_token", "unified_vs_builtin_max_abs_dlogp"]
     print(f"{'metric':34s}" + "".join(f"{r['engine']:>14s}" for r in results), file=file)
@@ -309,6 +362,25 @@ def _stock_fallback(cfg) -> str:
                           f"vLLM's built-in CPU ops cannot run it: {problem}; use --kernels exact, or a "
                           "model.checkpoint folder (then transformers' own decode-vs-forward pair is the stock column)")
     return problem or ""
+
+
+def _episodes_env(cfg, fallback: str):
+    """The environment parity.episodes plays ([task], checked as a run's), or None."""
+    if cfg.parity.episodes <= 0:
+        return None
+    from titan_rl.errors import ConfigError
+    from titan_rl.tasks import as_environment
+    from titan_rl.validation import load_task_checked
+
+    if fallback:
+        raise ConfigError(f"parity.episodes = {cfg.parity.episodes} with a stock column from transformers ({fallback}): "
+                          "episodes run on vLLM engines only; use --kernels exact, or parity.episodes = 0")
+    env = as_environment(load_task_checked(cfg))
+    vocab = config_mod.model_config(cfg)
+    if vocab is not None and env.tokenizer.vocab_size > vocab.vocab_size:
+        raise ConfigError(f"task {cfg.task.name!r} needs {env.tokenizer.vocab_size} token ids; the model's vocab_size "
+                          f"is {vocab.vocab_size}")
+    return env
 
 
 def main(argv=None) -> int:
@@ -345,6 +417,7 @@ def main(argv=None) -> int:
             from titan_rl.checkpoint import check_hf_folder
 
             check_hf_folder(cfg.model.checkpoint, arch=cfg.model.name)
+        env = _episodes_env(cfg, fallback)
     except UserError as e:
         return report_error(e)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -356,8 +429,8 @@ def main(argv=None) -> int:
         vocab = spec_config(cfg, folder).vocab_size
         prompts = make_prompts(cfg, vocab, n, seed)
         results = [run_transformers_pair(cfg, folder, prompts, seed, fallback, with_detail=args.detail)
-                   if k == "stock" and fallback else run_engine(cfg, folder, k, prompts, seed, with_detail=args.detail)
-                   for k in modes]
+                   if k == "stock" and fallback else
+                   run_engine(cfg, folder, k, prompts, seed, with_detail=args.detail, env=env) for k in modes]
     print_table(results)
     for r in results:
         if "stock_source" in r:

@@ -260,9 +260,12 @@ PARITY_KEYS = [
     ("index_record_bytes_per_token", "sparse attention: the index-replay record's size per token"),
     ("unified_vs_builtin_max_abs_dlogp", "our exact model vs vLLM's built-in one, max"),
     ("unified_vs_builtin_mean_abs_dlogp", "our exact model vs vLLM's built-in one, mean"),
+    ("episodes", "episodes played (parity.episodes)"),
+    ("turns_per_episode", "episodes: replies sampled per episode, mean"),
+    ("prefix_cached_tokens", "episodes: prompt tokens served from the prefix cache (earlier turns' KV)"),
     ("rollout_seconds", "sampling wall time (s)"),
 ]
-DETAIL_KEYS = ("log_ratio", "pi", "mu", "position", "entropy")
+DETAIL_KEYS = ("log_ratio", "pi", "mu", "position", "entropy", "turn")
 TAILS = (1e-6, 1e-4, 1e-2)
 
 
@@ -367,9 +370,13 @@ def detail_section(r: dict, d: dict) -> list[str]:
     else:
         out.append(bar_chart([], [], f"{eng}: trainer vs sampler probability", "", "",
                              note="pi / mu arrays not recorded"))
+    if "turn" in d:  # episodes (parity.episodes): by turn, then by position within the reply
+        out.append(_bucket_chart(d["turn"], lr, max(d["turn"], default=0) + 1, f"{eng}: mean |log ratio| by turn",
+                                 "the reply's turn in its episode (0: the first)", integer=True))
     if "position" in d:
+        where = "its reply (its turn)" if "turn" in d else "its completion"
         out.append(_bucket_chart(d["position"], lr, 10, f"{eng}: mean |log ratio| by token position",
-                                 "position of the token within its completion", integer=True))
+                                 f"position of the token within {where}", integer=True))
     else:
         out.append(bar_chart([], [], f"{eng}: mean |log ratio| by position", "", "", note="position not recorded"))
     if "entropy" in d:

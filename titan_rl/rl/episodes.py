@@ -76,6 +76,13 @@ class EpisodeInfo:
     render_breaks: int  # turns where the template could not be bridged
     mixed_version_tokens: int  # sampled under other weights than the rollout's version
     cached_tokens: int  # prompt tokens of its turns the engine's prefix cache served (earlier turns' KV)
+    first_turn: int = 0  # the episode's turn index of this row's first reply
+    turn_lengths: tuple[int, ...] = ()  # this row's replies' sampled token counts, in order
+
+    def turn_positions(self) -> tuple[list[int], list[int]]:
+        """(turn index, position within its reply) of each of this row's sampled tokens."""
+        turns = [self.first_turn + t for t, n in enumerate(self.turn_lengths) for _ in range(n)]
+        return turns, [k for n in self.turn_lengths for k in range(n)]
 
 
 @dataclass
@@ -325,7 +332,9 @@ class EpisodeRun:
                 cols["mu"].append(torch.tensor(part.mu, dtype=torch.float64))
                 cols["full"].append(torch.cat(part.full) if part.full else None)
                 cols["sampled"].append(torch.tensor(part.sampled, dtype=torch.bool))
-                cols["episodes"].append(EpisodeInfo(part=k, **info))
+                first = sum(len(p.turns) for p in ep.parts[:k])
+                cols["episodes"].append(EpisodeInfo(part=k, first_turn=first,
+                                                    turn_lengths=tuple(len(ids) for _, ids in part.turns), **info))
                 if kept_sets is not None:
                     cols["kept"] += [kept_sets.kept_for(rid, ids) for rid, ids in part.turns]
                     cols["kept_bytes_each"].append(sum(kept_sets.bytes_of(rid) for rid in rids))
