@@ -129,6 +129,13 @@ def run_summary(rows: list[dict]) -> list[tuple[str, object]]:
         *((f"  ... {name}", _mean([r.get(f"time_{key}_seconds") for r in rl]))
           for name, key in (("rollout", "rollout"), ("forward", "forward"), ("backward", "backward"),
                             ("optimizer", "optimizer"), ("weight sync", "weight_sync"))),
+        *([("mean turns per episode", _mean([r.get("turns_per_episode") for r in rl])),
+           ("render breaks (all steps)", sum(r.get("render_breaks", 0) for r in rl)),
+           ("re-render divergence (episodes, all steps)", sum(r.get("rerender_divergence", 0) for r in rl)),
+           ("mixed-version tokens (all steps)", sum(r.get("mixed_version_tokens", 0) for r in rl)),
+           ("environment errors (all steps)", sum(r.get("env_errors", 0) for r in rl)),
+           ("  ... of the rollout: environments' seconds per step", _mean([r.get("time_env_seconds") for r in rl]))]
+          if any("turns_per_episode" in r for r in rl) else []),
         ("peak RSS of the trainer process (MiB)", max((r["peak_rss_mib"] for r in rows if finite(r.get("peak_rss_mib"))),
                                                       default=None)),
     ]
@@ -221,6 +228,17 @@ def run_report(run_dir: str, rows: list[dict]) -> str:
                       "Held-out evaluation (greedy; [eval])", "weights after step", "share of questions / mean reward",
                       ylim=(0.0, 1.0))]
           if any(r.get("phase") == "eval" for r in rows) else []),
+        *([line_chart([("turns per episode", _pts(rows, "turns_per_episode", "rl")),
+                       ("samples per episode", _pts(rows, "samples_per_episode", "rl"))],
+                      "Episodes: replies per episode, and training samples each became (splits)", "step",
+                      "per episode"),
+           line_chart([("render_breaks", _pts(rows, "render_breaks", "rl")),
+                       ("rerender_divergence", _pts(rows, "rerender_divergence", "rl")),
+                       ("mixed_version_tokens", _pts(rows, "mixed_version_tokens", "rl")),
+                       ("env_errors", [(r["step"], r.get("env_errors", 0)) for r in rl])],
+                      "Episodes: template breaks, episodes a re-render would change, mixed-version tokens, "
+                      "environment errors", "step", "count per step")]
+          if any("turns_per_episode" in r for r in rl) else []),
         line_chart([("SFT", _pts(rows, "loss", "sft")), ("RL", _pts(rows, "loss", "rl"))],
                    "Loss (SFT warm-up, then RL policy gradient)", "step", "loss"),
         line_chart([("response_length", _pts(rows, "response_length", "rl"))],

@@ -32,9 +32,18 @@ def summary_line(cfg, run_dir: str, seconds: float | None = None) -> str | None:
     dl = [m["max_abs_dlogp"] for m in rl if "max_abs_dlogp" in m]
     if dl:
         parts.append(f"max |dlogp| {max(dl):.3g} over {len(dl)} rl steps")
+    turns = [m["turns_per_episode"] for m in rl if "turns_per_episode" in m]
+    if turns:  # multi-turn episodes (titan_rl.rl.episodes)
+        parts.append(f"{sum(turns) / len(turns):.2f} turns per episode, render breaks "
+                     f"{sum(m.get('render_breaks', 0) for m in rl)}, re-render divergence "
+                     f"{sum(m.get('rerender_divergence', 0) for m in rl)} episodes, mixed-version tokens "
+                     f"{sum(m.get('mixed_version_tokens', 0) for m in rl)}, environment errors "
+                     f"{sum(m.get('env_errors', 0) for m in rl)}")
     phases = [(name, [m[f"time_{key}_seconds"] for m in rl if f"time_{key}_seconds" in m])
               for name, key in (("rollout", "rollout"), ("forward", "forward"), ("backward", "backward"),
                                 ("optimizer", "optimizer"), ("sync", "weight_sync"))]
+    if turns:  # part of the rollout's time: the environments' own calls
+        phases.insert(1, ("of which environments", [m.get("time_env_seconds", 0.0) for m in rl]))
     if rl and all(v for _, v in phases):
         step_s = [m["step_seconds"] for m in rl if "step_seconds" in m]
         parts.append(f"s per rl step {sum(step_s) / len(step_s):.1f} (" + ", ".join(

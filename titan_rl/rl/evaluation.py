@@ -65,5 +65,9 @@ class RunEvaluation:
         rollout = engine.generate(step, self.episodes)
         sums = episode_sums(self.env, self.cfg.task.name, self.episodes, rollout, step)
         line = summary(self.ranks.reduce_sums(sums, over_dp=True))
+        if self.env.max_turns > 1:  # episodes: the win rate's companion, how long they lasted
+            firsts = [e for e in rollout.episodes if e.part == 0]
+            n, turns = self.ranks.reduce_sums([float(len(firsts)), float(sum(e.turns for e in firsts))], over_dp=True)
+            line["eval_turns_per_episode"] = turns / n
         return {"step": step, "phase": "eval", "weights_step": weights_step, **line,
                 "time_eval_seconds": time.perf_counter() - t0}

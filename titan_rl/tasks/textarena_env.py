@@ -2,6 +2,7 @@
 
     task.name = "textarena:GuessTheNumber-v0"      task.kwargs: max_turns, max_new_tokens, system,
                                                    and any of the game's own constructor keys
+                                                   (game = {...} for those named as ours: max_turns)
 
 An episode is one game, seeded by its start (an int, `Environment.starts`): the opening is
 [system (if not empty), user: the game's first observation], each reply is the player's
@@ -187,8 +188,12 @@ class TextArenaEnvironment(Environment):
     uses_global_random = True
 
     def __init__(self, env_id: str, checkpoint: str, *, max_turns: int = 8, max_new_tokens: int = 64,
-                 system: str = DEFAULT_SYSTEM, **env_kwargs):
+                 system: str = DEFAULT_SYSTEM, game: dict | None = None, **env_kwargs):
         self.name = f"textarena:{env_id}"
+        if game is not None and not isinstance(game, dict):
+            raise ValueError(f"{self.name}: game = {game!r}: it must be a table of the game's own constructor keys")
+        # `game`: the game's keys that share a name with this environment's (GuessTheNumber's max_turns)
+        env_kwargs = {**env_kwargs, **(game or {})}
         for key, value in (("max_turns", max_turns), ("max_new_tokens", max_new_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name}: {key} = {value!r}: it must be an int >= 1")
@@ -239,7 +244,7 @@ class TextArenaEnvironment(Environment):
         message = " ".join(str(e).split())  # one line
         return ValueError(f"{self.name}: the game cannot be made and reset with task.kwargs {self.env_kwargs!r}: "
                           f"{type(e).__name__}: {message} (this environment's own keys: max_turns, max_new_tokens, "
-                          f"system; the others go to the game's constructor)")
+                          f"system, game; the others, and those in game = {{...}}, go to the game's constructor)")
 
     def reset(self, start: int):
         ta = _textarena()
@@ -266,7 +271,9 @@ class TextArenaEnvironment(Environment):
         closed = state.env.close()
         # textarena 0.7.4: (rewards, game_info); older versions: the rewards alone
         rewards = closed[0] if isinstance(closed, tuple) else closed
-        return 1.0 if rewards and float(rewards.get(0, 0)) >= 1.0 else 0.0
+        value = rewards.get(0, 0) if isinstance(rewards, dict) else 0
+        # a game may leave a message where its reward goes (ThreeCardMonte after a bad action): no win
+        return 1.0 if isinstance(value, (int, float)) and value >= 1.0 else 0.0
 
 
 __all__ = ["DEFAULT_SYSTEM", "TextArenaEnvironment", "single_player_games"]
