@@ -12,7 +12,7 @@ from titan_rl.tasks import (
     Task,
     load_task,
 )
-from titan_rl.tasks import base as tasks_base
+from titan_rl.tasks import loader as tasks_loader
 from titan_rl.tasks.chat import ChatTask
 
 MODEL_VOCAB = 1024  # debug flavor; config.json says bos_token_id 0, eos_token_id 1
@@ -195,15 +195,15 @@ def test_sft_pairs(cls):
 
 
 def test_load_task_by_short_name_and_path():
-    assert set(BUILTIN_TASKS) == {"digit_reverse", "digit_add"}
+    assert set(BUILTIN_TASKS) == {"digit_reverse", "digit_add", "digit_turns"}
     t = load_task("digit_reverse")
     assert isinstance(t, DigitReverseTask) and t.max_new_tokens == 8
     t = load_task("digit_reverse", min_len=2, max_len=3)
     assert (t.min_len, t.max_len, t.max_new_tokens) == (2, 3, 5)
     assert isinstance(load_task("digit_add"), DigitAddTask)
     assert isinstance(load_task("titan_rl.tasks.digits:DigitAddTask", max_len=2), DigitAddTask)
-    # base module's load_task is the same function and also knows the short names
-    assert tasks_base.load_task is load_task
+    # the loader module's load_task is the same function and also knows the short names
+    assert tasks_loader.load_task is load_task
 
 
 class _NotATask:

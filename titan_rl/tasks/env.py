@@ -23,6 +23,7 @@ random state, swapped in and out under a lock (titan_rl.rl.episodes).
 from __future__ import annotations
 
 import abc
+import random
 from dataclasses import dataclass
 
 from .base import HELD_OUT_SEEDS, Example, Task, is_held_out
@@ -59,11 +60,10 @@ class Environment(abc.ABC):
         """The starts of n episodes, a pure function of (n, seed); a prefix of a longer draw.
         By default n integer seeds derived from `seed` (held-out seeds, >=
         titan_rl.tasks.HELD_OUT_SEEDS, give held-out ones)."""
-        from titan_rl.rl.seeds import step_seed
-
-        # training seeds hash below 2**31 - 1; held-out ones are moved to HELD_OUT_SEEDS and up
+        # training starts below 2**31 - 1; held-out ones are moved to HELD_OUT_SEEDS and up
         base = HELD_OUT_SEEDS if is_held_out(seed) else 0
-        return [base + step_seed(seed, i) for i in range(n)]
+        rng = random.Random(seed)
+        return [base + rng.randrange(2**31 - 1) for _ in range(n)]
 
     @abc.abstractmethod
     def reset(self, start) -> tuple[object, Messages | list[int]]:
