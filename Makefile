@@ -8,11 +8,14 @@
 #              converted to checkpoints/smollm2-135m-instruct (idempotent; scripts/fetch_smollm2.sh)
 # make train-smollm2  the real run: set up, fetch SmolLM2, GRPO on reasoning-gym's chain_sum
 #              (train_configs/rl_smollm2.toml), held-out accuracy before -> after
+# make train-agent  an agent learns a game: set up, fetch SmolLM2, GRPO on whole multi-turn
+#              episodes of textarena's GuessTheNumber (train_configs/agent_smollm2.toml),
+#              held-out win rate before -> after
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: setup train test parity bench gpu-check-cpu smollm2 train-smollm2
+.PHONY: setup train test parity bench gpu-check-cpu smollm2 train-smollm2 train-agent
 setup:
 	@bash scripts/setup.sh
 
@@ -21,6 +24,9 @@ train: setup
 
 train-smollm2: smollm2
 	$(PY) -m titan_rl.train --config train_configs/rl_smollm2.toml --run-dir runs/rl_smollm2
+
+train-agent: smollm2
+	$(PY) -m titan_rl.train --config train_configs/agent_smollm2.toml --run-dir runs/agent_smollm2
 
 # the suite's processes outnumber the cores: OpenMP threads sleep rather than spin while they
 # wait (tests/conftest.py says why; 4x faster on the kernel tests, the same bits)

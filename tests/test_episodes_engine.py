@@ -105,16 +105,38 @@ def test_the_environments_concurrency_does_not_change_the_rollout(tmp_path):
     assert all(m["max_abs_dlogp"] == 0.0 and m["turns_per_episode"] == 3 for m in one + four)
 
 
-@pytest.fixture(scope="module")
-def think_folder(tmp_path_factory):
-    """The debug qwen3 with a tiny BPE and the Qwen3-style template that rewrites earlier turns."""
-    import _envs
+def _chat_folder(tmp_path_factory, name, template=None):
+    """The debug qwen3 with a tiny BPE and a chat template (ChatML by default)."""
     from test_chat_tasks import _model_folder, _tokenizer
 
-    folder = tmp_path_factory.mktemp("think_model")
+    folder = tmp_path_factory.mktemp(name)
     _model_folder(folder)
-    _tokenizer(chat_template=_envs.THINK_TEMPLATE).save_pretrained(folder)
+    (_tokenizer() if template is None else _tokenizer(chat_template=template)).save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def think_folder(tmp_path_factory):
+    """The Qwen3-style template that rewrites earlier turns."""
+    import _envs
+
+    return _chat_folder(tmp_path_factory, "think_model", _envs.THINK_TEMPLATE)
+
+
+@pytest.mark.parametrize("task", ["textarena:GuessTheNumber-v0", "tool:basic_arithmetic"])
+def test_a_game_and_a_tool_are_exact_on_every_turn(tmp_path_factory, tmp_path, task):
+    """textarena's GuessTheNumber (the game answers each guess, also a bad one) and the
+    calculator tool (a result comes back as a tool message; a reply without a call ends the
+    episode, as a random model's replies mostly do: tests/test_envs_library.py scripts the
+    calls) on a chat model, every sampled token exact."""
+    folder = _chat_folder(tmp_path_factory, "chatml_model")
+    lines = _train(tmp_path, [f"--model.checkpoint={folder}", f"--task.name={task}",
+                              "--task.kwargs={max_turns = 3, max_new_tokens = 6}", "--rollout.max_model_len=1024"])
+    for m in lines:
+        assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0, m
+        assert m["samples_per_episode"] == 1 and m["render_breaks"] == 0 and m["turns_per_episode"] >= 1, m
+        if task.startswith("textarena"):  # the game asks again after an invalid guess
+            assert m["turns_per_episode"] > 1, m
 
 
 def test_a_template_that_rewrites_earlier_turns_splits_episodes_into_exact_parts(think_folder, tmp_path):
@@ -125,3 +147,30 @@ def test_a_template_that_rewrites_earlier_turns_splits_episodes_into_exact_parts
         # every turn after the first opens a new sample on the template's own rendering
         assert m["samples_per_episode"] == m["turns_per_episode"] > 1 and m["render_breaks"] > 0, m
         assert m["rerender_divergence"] == 4  # every episode of the step (2 prompts x 2)
+
+
+def test_the_eval_cli_plays_held_out_episodes(tmp_path, capsys):
+    """python -m titan_rl.eval on a multi-turn environment: n held-out episodes, greedy, each
+    with its transcript as the engine saw it (replies and questions), the same on a rerun."""
+    import json
+
+    import torch
+
+    from titan_rl.checkpoint import save_hf_folder
+    from titan_rl.eval import main
+    from titan_rl.models import qwen3
+
+    folder = tmp_path / "model"
+    save_hf_folder(qwen3.build("debug").init_weights(3, 0.05), str(folder), dtype=torch.float32)
+    args = ["--checkpoint", str(folder), "--task", "digit_turns", "--task-kwargs", '{"turns": 3}', "--n", "4",
+            "--max-model-len", "128"]
+    docs = []
+    for k in range(2):
+        assert main([*args, "--json", str(tmp_path / f"e{k}.json")]) == 0
+        docs.append(json.loads((tmp_path / f"e{k}.json").read_text()))
+    first, again = docs
+    assert first["n"] == 4 and len(first["questions"]) == 4
+    for q in first["questions"]:
+        assert q["turns"] == 3 and q["end"] == "done" and len(q["transcript"]) == 1
+        assert q["transcript"][0].startswith("rev:") and q["transcript"][0].count("rev:") == 3
+    assert first["questions"] == again["questions"] and first["accuracy"] == again["accuracy"]

@@ -8,6 +8,10 @@ A run dir (it has config.toml) is evaluated at its newest checkpoint (or step K)
 the run's dtype (titan_rl.export: the weights its engine held), on the run's own task unless
 --task says otherwise; with `[eval] seed = S` and n = N it reproduces the run's own held-out line.
 
+A multi-turn environment (docs/agents.md) is played for N held-out episodes (its starts of
+seed HELD_OUT_SEEDS + S, as `[eval]` plays them): accuracy is then the win rate (reward 1),
+and the JSON has each episode's transcript, reward and turns.
+
 The architecture comes from the folder's config.json; chat and library tasks read the
 tokenizer and chat template from the same folder. The questions are
 `task.sample(N, HELD_OUT_SEEDS + S)`: the held-out seed range, never drawn by training
@@ -44,6 +48,8 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="the engine's dtype (default: the folder's config.json dtype, else bfloat16)")
     ap.add_argument("--kv-cache-mib", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=2048,
+                    help="a multi-turn environment's longest episode in tokens (default 2048)")
     ap.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return ap.parse_args(argv)
 
@@ -68,11 +74,11 @@ def _checked(args) -> tuple:
     from titan_rl.checkpoint import check_hf_folder
     from titan_rl.errors import UserError
     from titan_rl.registry import architecture_of_folder
-    from titan_rl.tasks import eval_seed
+    from titan_rl.tasks import Environment, eval_seed
     from titan_rl.validation import check_prompts, load_named_task
 
     for key, value, low in (("--n", args.n, 1), ("--seed", args.seed, 0), ("--max-new-tokens", args.max_new_tokens, 0),
-                            ("--kv-cache-mib", args.kv_cache_mib, 1)):
+                            ("--kv-cache-mib", args.kv_cache_mib, 1), ("--max-model-len", args.max_model_len, 16)):
         if value < low:
             raise UserError(f"{key} = {value}: must be >= {low}")
     if args.task is None:
@@ -98,6 +104,8 @@ def _checked(args) -> tuple:
                         f"model in {args.checkpoint!r} has vocab_size {vocab}")
     new = args.max_new_tokens or task.max_new_tokens
     limit = folder_cfg.get("max_position_embeddings") or 1 << 20
+    if isinstance(task, Environment):  # episodes: known only once played; the engine's length is the bound
+        return arch, task, kwargs, dtype, new, task.starts(args.n, eval_seed(args.seed)), min(limit, args.max_model_len)
     examples = check_prompts(task, args.task, args.n, eval_seed(args.seed), f"--seed {args.seed}", new, vocab, limit,
                              limit_key="the model's max_position_embeddings")
     max_model_len = max(len(ex.prompt_ids) for ex in examples) + new
@@ -136,16 +144,31 @@ def _evaluate(args) -> dict:
     llm = make_llm(args.checkpoint, settings)
     env = as_environment(task)
     episodes = greedy_episodes(env, examples, new)
-    rollout = EpisodeRun(env, episodes, max_model_len=max_model_len).run(
+    rollout = EpisodeRun(env, episodes, max_model_len=max_model_len, step=0).run(
         lambda prompts, params: llm.generate(prompts, params, use_tqdm=False)).rollout()
     tokens = rollout.tokens
     sums = episode_sums(env, args.task, episodes, rollout)
     result = {k.removeprefix("eval_"): v for k, v in summary(sums).items()}
-    questions = [{"prompt": ex.prompt_text, "answer": ex.answer, "completion": task.tokenizer.decode(toks),
-                  "reward": task.reward(ex, toks), "tokens": len(toks)} for ex, toks in zip(examples, tokens)]
+    if env is task:  # an environment's episodes: each one's stream as the engine saw it
+        per = len(rollout) // len(episodes)
+        questions = [{"start": ep.start if isinstance(ep.start, (int, str)) else repr(ep.start),
+                      "transcript": [_text(task.tokenizer, rollout.sequences([i * per + k])[0]) for k in range(per)],
+                      "reward": rollout.episodes[i * per].reward, "turns": rollout.episodes[i * per].turns,
+                      "end": rollout.episodes[i * per].end} for i, ep in enumerate(episodes)]
+    else:
+        questions = [{"prompt": ex.prompt_text, "answer": ex.answer, "completion": task.tokenizer.decode(toks),
+                      "reward": task.reward(ex, toks), "tokens": len(toks)} for ex, toks in zip(examples, tokens)]
     return {"checkpoint": os.path.abspath(getattr(args, "source", args.checkpoint)), "architecture": arch, "dtype": dtype, "kernels": "exact",
             "task": args.task, "task_kwargs": kwargs, "seed": args.seed, "max_new_tokens": new, **result,
             "seconds": time.perf_counter() - t0, "questions": questions}
+
+
+def _text(tok, ids: list[int]) -> str:
+    """A whole episode's stream as text, special tokens written (a reply's decode stops at its
+    first stop id)."""
+    if hasattr(tok, "hf"):
+        return tok.hf.decode(ids)
+    return "".join(tok.eos_token if i == tok.eos_id else tok.decode([i]) for i in ids)
 
 
 def print_table(doc: dict, file=None) -> None:
