@@ -1,5 +1,6 @@
 """Multi-turn episodes through the engines, token in and token out: every sampled token of
-every turn has max |dlogp| 0 (dense fp32 and bf16, MoE with route replay, a GDN hybrid
+every turn has max |dlogp| 0 (dense fp32 with top-k / top-p kept sets replayed, dense bf16,
+MoE with route replay, a GDN hybrid
 with its state cache, GLM-5 with index replay), later turns reuse earlier turns' KV from the
 prefix cache; a chat template that rewrites earlier turns splits episodes, each part exact;
 FSDP 2 and a separate engine write the one-process colocated run's metrics line for line; a
@@ -24,7 +25,9 @@ DIGITS = ["--task.name=digit_turns", "--task.kwargs={turns = 4, min_len = 10, ma
 LONG = ["--task.name=digit_turns", "--task.kwargs={turns = 4, min_len = 60, max_len = 64}",
         "--rollout.max_model_len=640"]
 CASES = {
-    "qwen3_fp32": ["--model.dtype=float32", *DIGITS],
+    # top-k / top-p with the sampler's kept sets replayed: recorded turn by turn
+    "qwen3_fp32_kept": ["--model.dtype=float32", "--sampling.top_p=0.8", "--sampling.top_k=5",
+                        "--sampling.mask_mode=replay", *DIGITS],
     "qwen3_bf16": ["--model.dtype=bfloat16", *DIGITS],
     "moe_replay_bf16": ["--model.name=qwen3_moe", "--model.flavor=debug_moe", "--model.dtype=bfloat16",
                         "--rollout.router_replay=replay", *DIGITS],
@@ -69,6 +72,8 @@ def test_every_turn_of_every_episode_is_exact(runs, name):
     _exact_turns(lines, cached=name != "hybrid_bf16" or None)
     if name == "hybrid_bf16":  # a block of 256 reused by at least one 4th turn
         assert any(m["prefix_cached_tokens"] >= 256 for m in lines), lines
+    if name == "qwen3_fp32_kept":
+        assert all(m["kept_set_bytes_per_token"] > 0 for m in lines)
     if name == "moe_replay_bf16":
         assert all(m["route_bytes_per_token"] > 0 for m in lines)  # replayed: recorded across turns
 
@@ -80,6 +85,19 @@ def test_fsdp2_writes_the_one_process_lines(runs, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = [m for m in _metrics(tmp_path) if m["phase"] == "rl"]
     assert [_comparable(m) for m in got] == [_comparable(m) for m in runs("moe_replay_bf16")]
+
+
+def test_tp2_writes_the_one_process_lines_at_its_leaves(tmp_path):
+    """torchrun's 2 ranks as TP 2 (fixed K-leaves, model.tp_leaves = 8; each rank's engine TP 1):
+    the dense bf16 multi-turn run's lines equal one process's at the same tp_leaves."""
+    extra = [*CASES["qwen3_bf16"], "--model.tp_leaves=8"]
+    alone = _train(tmp_path / "alone", extra)
+    r = _torchrun(tmp_path / "tp2", [*RL, *extra, "--parallelism.tensor_parallel_degree=2",
+                                     "--parallelism.data_parallel_shard_degree=1"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = [m for m in _metrics(tmp_path / "tp2") if m["phase"] == "rl"]
+    _exact_turns(got)
+    assert [_comparable(m) for m in got] == [_comparable(m) for m in alone]
 
 
 def test_a_separate_engine_writes_the_colocated_lines_and_one_step_ahead_mixes_no_versions(runs, tmp_path):

@@ -90,6 +90,15 @@ class Environment(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r}, max_turns={self.max_turns})"
 
 
+def check_turn_settings(name: str, max_turns, max_new_tokens, system) -> None:
+    """An environment's own keys, refused in one line naming the key and the value."""
+    for key, value in (("max_turns", max_turns), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {key} = {value!r}: it must be an int >= 1")
+    if not isinstance(system, str):
+        raise ValueError(f"{name}: system = {system!r}: it must be a string (\"\" for none)")
+
+
 @dataclass
 class _TaskState:
     example: Example

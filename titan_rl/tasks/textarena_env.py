@@ -46,7 +46,7 @@ import sys
 from dataclasses import dataclass
 
 from .chat import ChatTokenizer
-from .env import Environment, Reply
+from .env import Environment, Reply, check_turn_settings
 
 DEFAULT_SYSTEM = ("You are playing a text game. Each turn, reply with one move in exactly the format the game "
                   "asks for (usually in square brackets, e.g. [5]).")
@@ -194,11 +194,7 @@ class TextArenaEnvironment(Environment):
             raise ValueError(f"{self.name}: game = {game!r}: it must be a table of the game's own constructor keys")
         # `game`: the game's keys that share a name with this environment's (GuessTheNumber's max_turns)
         env_kwargs = {**env_kwargs, **(game or {})}
-        for key, value in (("max_turns", max_turns), ("max_new_tokens", max_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}: {key} = {value!r}: it must be an int >= 1")
-        if not isinstance(system, str):
-            raise ValueError(f"{self.name}: system = {system!r}: it must be a string (\"\" for none)")
+        check_turn_settings(self.name, max_turns, max_new_tokens, system)
         self.env_id, self.env_kwargs = env_id, dict(env_kwargs)
         self.max_turns, self.max_new_tokens, self.system = max_turns, max_new_tokens, system
         ta = _textarena()

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 from .chat import ChatTokenizer, extract_answer
-from .env import Environment, Reply
+from .env import Environment, Reply, check_turn_settings
 from .library import draw_reasoning_gym, open_reasoning_gym
 
 DEFAULT_SYSTEM = ("You can use a calculator: write <calc>EXPRESSION</calc> (numbers, + - * / // % ** and parentheses) "
@@ -120,11 +120,7 @@ class CalculatorEnvironment(Environment):
     def __init__(self, dataset: str, checkpoint: str, *, max_turns: int = 4, max_new_tokens: int = 64,
                  system: str = DEFAULT_SYSTEM, **dataset_config):
         self.name = f"tool:{dataset}"
-        for key, value in (("max_turns", max_turns), ("max_new_tokens", max_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}: {key} = {value!r}: it must be an int >= 1")
-        if not isinstance(system, str):
-            raise ValueError(f"{self.name}: system = {system!r}: it must be a string (\"\" for none)")
+        check_turn_settings(self.name, max_turns, max_new_tokens, system)
         self.dataset, self.config = dataset, dict(dataset_config)
         self._scorer = open_reasoning_gym(dataset, self.config, name=self.name, owner=type(self),
                                           own_keys=("max_turns", "max_new_tokens", "system"))
