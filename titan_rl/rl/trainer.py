@@ -289,15 +289,16 @@ class RLTrainer(Trainer):
     def _episode_metrics(self, rollout) -> dict:
         """Turns, samples, render breaks, re-render divergence, environment errors and tokens
         sampled under other weights than the rollout's, over the global batch's episodes."""
-        sums = episode_metrics(rollout)
-        n, turns, samples, breaks, diverged, errors, mixed, cached = self.ranks.reduce_sums(list(sums.values()),
-                                                                                           over_dp=True)
-        m = {"mixed_version_tokens": int(mixed)}
+        mine = episode_metrics(rollout)
+        t = dict(zip(mine, self.ranks.reduce_sums(list(mine.values()), over_dp=True)))
+        m = {"mixed_version_tokens": int(t["mixed_version_tokens"])}
         if self.env.max_turns > 1:
-            m.update(turns_per_episode=turns / n, samples_per_episode=samples / n, render_breaks=int(breaks),
-                     rerender_divergence=int(diverged), prefix_cached_tokens=int(cached))
-        if errors:
-            m["env_errors"] = int(errors)
+            n = t["episodes"]
+            m.update(turns_per_episode=t["turns"] / n, samples_per_episode=t["samples"] / n,
+                     render_breaks=int(t["render_breaks"]), rerender_divergence=int(t["rerender_divergence"]),
+                     prefix_cached_tokens=int(t["cached_tokens"]))
+        if t["env_errors"]:
+            m["env_errors"] = int(t["env_errors"])
         return m
 
     def _step_optimizer(self, loss: float) -> float:
