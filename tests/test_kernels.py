@@ -439,6 +439,30 @@ def test_input_gradient_is_one_fma_chain_per_output(dtype, rng):
                 assert torch.equal(grad_input(grad, w), want), (m, n, k, t)
 
 
+def test_the_flush_decides_tininess_after_rounding():
+    """An exact sum in [2^-126 - 2^-150, 2^-126 - 2^-151): rounded with an unbounded exponent it
+    is 2^-126 - 2^-150, below the smallest normal, and FTZ flushes it to 0 (vdpbf16ps, and the
+    FMAs under MXCSR's flags on AVX2); rounding into fp32's subnormal grid first would give
+    2^-126. Here 2^-126 (the odd, first-added product 2^-63 x 2^-63) plus -3 x 2^-152 (the even
+    one): the reference, the bf16 weight and input gradients and the bf16 LM head all give 0,
+    and a sum just outside the window (-2^-152) stays 2^-126."""
+    from titan_rl.kernels.matmul.reference import dpbf16_dot, weight_grad_bf16
+    from titan_rl.kernels.matmul.torch_impl import grad_input, grad_weight
+
+    for even, want in ((-3 * 2.0**-76, 0.0), (-(2.0**-76), 2.0**-126)):
+        # one output, K = 2: index 1 is the pair's odd (first-added) slot
+        a = torch.tensor([[even, 2.0**-63]]).bfloat16()
+        w = torch.tensor([[2.0**-76, 2.0**-63]]).bfloat16()
+        assert dpbf16_dot(a, w).item() == want
+        # the gradients' chains run over rows: row 0 is the first-added one (swapped pairs)
+        g, x = a.t().flip(0).contiguous(), w.t().flip(0).contiguous()  # rows: [2^-63, even], [2^-63, 2^-76]
+        assert weight_grad_bf16(g, x).item() == want
+        assert grad_weight(g, x).float().item() == want
+        assert grad_input(g.t().contiguous(), x).float().item() == want
+        _dpbf16_form()
+        assert lm_head_logits(a, w).item() == want
+
+
 @pytest.mark.parametrize("scale", [2.0**-63, 2.0**-64])
 def test_bf16_gradient_gemms_flush_subnormals_as_vdpbf16ps_does(scale, rng):
     """Both operands bf16: the FMA chain under DAZ / FTZ over an even row count

@@ -14,6 +14,17 @@ def _flush(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.abs() < _TINY, torch.copysign(torch.zeros_like(t), t), t)
 
 
+def _round_ftz(s: torch.Tensor) -> torch.Tensor:
+    """The exact sum `s` (float64) as an fp32 add under FTZ gives it: rounded to 24 bits with
+    an unbounded exponent (ties to even), then flushed to a zero of its sign when that result
+    is below 2^-126. x86 decides tininess after rounding: a sum in [2^-126 - 2^-150,
+    2^-126 - 2^-151) rounds to 2^-126 - 2^-150 and is flushed, where rounding into fp32's
+    subnormal grid first (gradual underflow) would give 2^-126."""
+    m, e = torch.frexp(s)  # s = m * 2^e, |m| in [0.5, 1)
+    r = torch.ldexp(torch.round(m * 2.0**24), e - 24)  # 24 significant bits, exact in float64
+    return _flush(r).float()
+
+
 def weight_grad_bf16(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """g [M, N]^T @ x [M, K] for bf16 operands as the weight-gradient GEMM computes it
     (csrc/weight_grad.cpp; also the bf16 input gradient, on grad^T): per output one fp32 FMA
@@ -32,7 +43,8 @@ def dpbf16_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     accumulator from +0, per k-pair the odd product then the even one, each add one rounding
     of the exact sum (the product is exact and not rounded alone: fp64 holds the sum of an
     fp32 and a 16-bit product exactly wherever it matters), subnormal inputs read as zero and
-    subnormal results flushed to a zero of their sign (measured against the instruction)."""
+    results below 2^-126 after rounding flushed to a zero of their sign (`_round_ftz`;
+    measured against the instruction)."""
     a, w = _flush(a.float()), _flush(w.float())
     if a.shape[1] % 2:
         a, w = torch.nn.functional.pad(a, (0, 1)), torch.nn.functional.pad(w, (0, 1))
@@ -40,5 +52,5 @@ def dpbf16_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     acc = torch.zeros(a.shape[0], w.shape[0])
     for p in range(0, a.shape[1], 2):
         for k in (p + 1, p):
-            acc = _flush((acc.double() + a[:, k, None] * w[None, :, k]).float())
+            acc = _round_ftz(acc.double() + a[:, k, None] * w[None, :, k])
     return acc
