@@ -92,10 +92,14 @@ def test_kill_and_resume_equals_uninterrupted(uninterrupted, killed_and_resumed)
     run's metrics are the uninterrupted run's (this run is at 2 threads, the reference at 1:
     test_a_thread_count_writes_the_same_metrics)."""
     run_a, _ = uninterrupted
-    run_b, _ = killed_and_resumed
+    run_b, before_kill = killed_and_resumed
     a, b = _metrics(run_a), _metrics(run_b)
     assert [m["step"] for m in b] == list(range(1, 7))
     assert [_comparable(m) for m in a] == [_comparable(m) for m in b]
+    # a resume, not a restart: the first process's lines of steps 1-4 kept as written (their
+    # wall-clock fields too), and the relaunch's first line says it began after checkpoint 4
+    assert b[:4] == before_kill[:4]
+    assert b[4]["resumed_from_step"] == 4 and not any("resumed_from_step" in m for m in b[:4] + b[5:])
 
 
 def test_a_thread_count_writes_the_same_metrics(uninterrupted, killed_and_resumed):
@@ -254,13 +258,18 @@ def test_killed_engines_and_trainers_stop_cleanly_and_the_relaunch_continues(uni
         os.kill(_engine_processes(p.pid)[0].pid, signal.SIGKILL)
 
     rc, out, seconds = _run_until(cmd, "step    3/6 rl", kill_engine)  # resumed at step 3 (checkpoint step 2)
+    assert "resumed from the checkpoint of step 2 (kept its 2 metrics lines)" in out, out[-3000:]
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert rc == 1 and len(errors) == 1, out[-3000:]
     assert "rollout engine 0" in errors[0] and "died" in errors[0] and "restart_engines" in errors[0], errors
     assert seconds < 20, seconds
     r = _zygote.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert [_comparable(m) for m in _metrics(run_b)] == [_comparable(m) for m in _metrics(run_a)]
+    final = _metrics(run_b)
+    assert [_comparable(m) for m in final] == [_comparable(m) for m in _metrics(run_a)]
+    # the last relaunch's first line, and only it, says which checkpoint it began after
+    marked = [m for m in final if "resumed_from_step" in m]
+    assert len(marked) == 1 and marked[0]["step"] == marked[0]["resumed_from_step"] + 1 > 1, marked
 
 
 def test_one_step_off_policy_keeps_the_operator_mismatch_at_zero_through_an_engine_restart(uninterrupted, tmp_path):

@@ -201,6 +201,8 @@ def test_elastic_resume_fsdp2_to_fsdp1_equals_uninterrupted(uninterrupted, tmp_p
     assert [m["step"] for m in resumed] == list(range(1, 7))
     assert resumed[5]["step_seconds"] != fsdp2[5]["step_seconds"]  # step 6 ran again
     assert [_comparable(m) for m in resumed] == want
+    # resumed after checkpoint 4, the FSDP = 2 lines of steps 1-4 kept as written
+    assert resumed[:4] == fsdp2[:4] and resumed[4]["resumed_from_step"] == 4
 
 
 def test_separate_engines_under_torchrun_write_the_colocated_metrics(uninterrupted, tmp_path):

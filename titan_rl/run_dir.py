@@ -23,8 +23,9 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def comparable(m: dict) -> dict:
-    """A metrics line without wall-clock and memory fields (for resume- and layout-equality checks)."""
-    return {k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib"))}
+    """A metrics line without wall-clock and memory fields, nor where a relaunch resumed from
+    (for resume- and layout-equality checks)."""
+    return {k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib")) and k != "resumed_from_step"}
 
 
 class MetricsFile:

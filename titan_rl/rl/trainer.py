@@ -89,9 +89,16 @@ class RLTrainer(Trainer):
 
     # -- the step ------------------------------------------------------------------------
     def train_step(self, data_iterator):
+        resumed_from = None
         if not self._resumed_checked:
-            self.engine.resume(self.metrics.resume(self.step))
+            kept = self.metrics.resume(self.step)
+            self.engine.resume(kept)
             self._resumed_checked = True
+            if self.step > 1:  # TorchTitan restored the checkpoint of step - 1: a resume, not a restart
+                resumed_from = self.step - 1
+                if self.ranks.rank == 0:
+                    print(f"resumed from the checkpoint of step {resumed_from} (kept its {len(kept)} metrics lines)",
+                          flush=True)
         t0 = time.perf_counter()
         self._skipped = False
         self.model.train()
@@ -106,6 +113,8 @@ class RLTrainer(Trainer):
                  peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if self._skipped:
             m["skipped_nonfinite"] = True
+        if resumed_from is not None:  # the relaunch's first line says where it began
+            m["resumed_from_step"] = resumed_from
         if self.config_changes:  # the first step after a relaunch that changed these keys
             m["config_changes"] = {k: list(v) for k, v in self.config_changes.items()}
             if self.ranks.rank == 0:
