@@ -195,3 +195,46 @@ def test_a_template_that_rewrites_earlier_turns_splits_the_episode(chat_folders)
                      {"role": "user", "content": f"and {k + 1} + 12 ="}]
     m = episode_metrics(r)
     assert m["samples"] == 6 and m["render_breaks"] == 4 and m["rerender_divergence"] == 2
+
+
+def test_a_non_finite_engine_logprob_stops_the_step_naming_the_request():
+    """A NaN or inf mu on a sampled token stops the step (RunStopped, one line naming the
+    request, the token and the episode); the same value on a context token is not read."""
+    import torch
+
+    from titan_rl.errors import RunStopped
+    from titan_rl.rl.ranks import Ranks
+    from titan_rl.rl.rewards import check_logprobs
+
+    env = load_task("digit_turns", turns=2, min_len=3, max_len=3)
+    r = EpisodeRun(env, _requests(range(3)), max_model_len=64).run(FakeEngine(_digits_reply)).rollout()
+    check_logprobs(r, Ranks(), step=3)  # all finite: nothing to say
+    context = int((~r.sampled[1]).nonzero()[0])
+    r.mu[1][context] = float("nan")
+    check_logprobs(r, Ranks(), step=3)  # a context token's mu is a placeholder, never used
+    for value in (float("nan"), float("inf")):
+        r.mu[2][1] = value
+        with pytest.raises(RunStopped) as e:
+            check_logprobs(r, Ranks(), step=3)
+        msg = str(e.value)
+        assert f"request '{r.request_ids[2]}' (episode 2) is {value}" in msg and "step 3" in msg and "\n" not in msg
+
+
+def test_a_held_out_set_that_repeats_is_counted_and_said(tmp_path, chat_folders):
+    """A 10-row JSON-lines task holds out one row, so 4 held-out questions are one question four
+    times: distinct_starts counts 1 and the evaluation line says so; a generator's starts differ."""
+    import json
+
+    from titan_rl.rl.evaluation import distinct_starts
+    from titan_rl.run_dir import console_line
+    from titan_rl.tasks import eval_seed
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    task = load_task(f"jsonl:{rows}", checkpoint=chat_folders["chatml"])
+    assert distinct_starts(task.sample(4, eval_seed(0))) == 1
+    assert distinct_starts(load_task("digit_turns").starts(4, eval_seed(0))) == 4
+    line = {"phase": "eval", "step": 2, "eval_accuracy": 0.0, "eval_reward_mean": 0.0, "eval_response_length": 3.0,
+            "eval_n": 4, "eval_distinct": 1, "weights_step": 1}
+    assert "(4 held-out questions, only 1 distinct, weights after step 1)" in console_line(line, 9)
+    assert "distinct" not in console_line({**line, "eval_distinct": 4}, 9)

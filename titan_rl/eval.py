@@ -130,7 +130,7 @@ def _evaluate(args) -> dict:
     import torch
 
     from titan_rl.rl.episodes import EpisodeRun
-    from titan_rl.rl.evaluation import episode_sums, summary
+    from titan_rl.rl.evaluation import distinct_starts, episode_sums, summary
     from titan_rl.rl.requests import greedy_episodes
     from titan_rl.tasks import as_environment
 
@@ -149,6 +149,7 @@ def _evaluate(args) -> dict:
     tokens = rollout.tokens
     sums = episode_sums(env, args.task, episodes, rollout)
     result = {k.removeprefix("eval_"): v for k, v in summary(sums).items()}
+    result["distinct"] = distinct_starts(examples)
     if env is task:  # an environment's episodes: each one's stream as the engine saw it
         per = len(rollout) // len(episodes)
         questions = [{"start": ep.start if isinstance(ep.start, (int, str)) else repr(ep.start),
@@ -178,6 +179,9 @@ def print_table(doc: dict, file=None) -> None:
     print(f"{'questions':>10s} {'accuracy':>10s} {'mean reward':>12s} {'mean length':>12s}", file=file)
     print(f"{doc['n']:>10d} {doc['accuracy']:>10.4f} {doc['reward_mean']:>12.4f} {doc['response_length']:>12.2f}",
           file=file)
+    if doc.get("distinct", doc["n"]) < doc["n"]:
+        print(f"only {doc['distinct']} of the {doc['n']} held-out questions are distinct: the task has no more "
+              "held-out rows; the rest repeat them", file=file)
 
 
 def main(argv=None) -> int:

@@ -61,7 +61,9 @@ def console_line(m: dict, steps: int) -> str:
         return (f"step {m['step']:4d}/{steps} eval accuracy {m['eval_accuracy']:.3f}  reward "
                 f"{m['eval_reward_mean']:.3f}  len {m['eval_response_length']:.1f}  ({m['eval_n']} held-out "
                 + (f"episodes, {m['eval_turns_per_episode']:.2f} turns each" if "eval_turns_per_episode" in m
-                   else "questions") + f", weights after step {m['weights_step']})")
+                   else "questions")
+                + (f", only {m['eval_distinct']} distinct" if m.get("eval_distinct", m["eval_n"]) < m["eval_n"] else "")
+                + f", weights after step {m['weights_step']})")
     turns = f"  turns {m['turns_per_episode']:.2f}" if "turns_per_episode" in m else ""
     return (f"step {m['step']:4d}/{steps} rl   reward {m['reward_mean']:.3f}  len {m['response_length']:.1f}{turns}  "
             f"loss {m['loss']:+.4f}  max|dlogp| {m['max_abs_dlogp']:.3g}  bitwise {m['bitwise_fraction']:.3f}  "

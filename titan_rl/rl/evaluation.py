@@ -18,6 +18,19 @@ from titan_rl.rl.requests import greedy_episodes
 from titan_rl.tasks import check_reward, eval_seed
 
 
+def distinct_starts(starts: list) -> int:
+    """How many different questions (or episode starts) `starts` holds: a task with few
+    held-out rows draws the same ones again (JsonlTask walks seeded shuffles of its rows)."""
+    import json
+
+    def key(s):
+        if hasattr(s, "prompt_ids"):
+            return tuple(s.prompt_ids)
+        return json.dumps(s, sort_keys=True, default=repr)
+
+    return len({key(s) for s in starts})
+
+
 def summary(sums: list[float]) -> dict:
     """eval_accuracy, eval_reward_mean, eval_response_length, eval_n from episode_sums' totals."""
     n, correct, reward, length = sums
@@ -46,7 +59,9 @@ class RunEvaluation:
         self.cfg, self.env, self.ranks = cfg, env, ranks
         e = cfg.eval
         share = rank_share(e.n, ranks.dp_degree, ranks.dp_rank)
-        starts = env.starts(e.n, seed=eval_seed(e.seed))[share.start:share.stop]
+        every = env.starts(e.n, seed=eval_seed(e.seed))
+        self.distinct = distinct_starts(every)  # a small held-out set repeats: say so
+        starts = every[share.start:share.stop]
         self.episodes = greedy_episodes(env, starts, e.max_new_tokens or env.max_new_tokens, first_index=share.start)
 
     def due_before(self, step: int) -> bool:
@@ -65,6 +80,7 @@ class RunEvaluation:
         rollout = engine.generate(step, self.episodes)
         sums = episode_sums(self.env, self.cfg.task.name, self.episodes, rollout, step)
         line = summary(self.ranks.reduce_sums(sums, over_dp=True))
+        line["eval_distinct"] = self.distinct
         if self.env.max_turns > 1:  # episodes: the win rate's companion, how long they lasted
             firsts = [e for e in rollout.episodes if e.part == 0]
             n, turns = self.ranks.reduce_sums([float(len(firsts)), float(sum(e.turns for e in firsts))], over_dp=True)

@@ -42,7 +42,7 @@ from titan_rl.rl.global_batch import rank_share
 from titan_rl.rl.ranks import Ranks
 from titan_rl.rl.episodes import episode_metrics
 from titan_rl.rl.requests import step_episodes
-from titan_rl.rl.rewards import step_rewards
+from titan_rl.rl.rewards import check_logprobs, step_rewards
 from titan_rl.rl.seeds import sft_seed
 from titan_rl.rollout import ScoredBatch, pad_sequences, response_mask
 from titan_rl.run_dir import MetricsFile, console_line
@@ -152,6 +152,7 @@ class RLTrainer(Trainer):
         a, r = self.rl.algorithm, self.ranks
         episodes, rollout, t_roll, version = self._rollout()
         lag = self.step - 1 - version  # the weights' age in optimizer steps (0 = on-policy)
+        check_logprobs(rollout, r, self.step)
         rewards = step_rewards(self.rl, self.env, r, self.step, episodes, rollout)
         # group advantages over whole episodes; each of an episode's rows (its parts) carries its own
         parts = len(rollout) // len(episodes)
