@@ -157,8 +157,11 @@ PREPARED_CASES = {
     ("qwen3_5_moe", "debug_qwen35_moe", "none"): _DENSE,
     ("glm_moe_dsa", "debug_glm5", "none"): ["absorbed.w_uk_t", "absorbed.w_uv", "packed_gate_up", "gemm_weight",
                                             "lm_head"],
-    ("qwen3", "debug", "fp8_rowwise"): _QUANT,
-    ("qwen3", "debug", "nvfp4"): _QUANT,
+    # a PackedQuant: the field the forward reads on this CPU (no suffix: expanded blocks on AVX2,
+    # the packed payload elsewhere), and each of its slots by name
+    ("qwen3", "debug", "fp8_rowwise"): [*_QUANT, *(f"packed_qkv:{f}" for f in ("packed", "col_scale", "expanded"))],
+    ("qwen3", "debug", "nvfp4"): [*_QUANT, *(f"packed_gate_up:{f}" for f in ("packed", "block_scales", "col_scale",
+                                                                            "expanded"))],
     ("qwen3", "debug", "fp8_block"): _QUANT,
 }
 
@@ -198,13 +201,16 @@ def _operand_name(m, kind: str) -> str:
     return min(names, key=lambda n: next(i for i, b in enumerate(order) if n == b or n.startswith(b + ".")))
 
 
-def _named(m, name: str) -> list[str]:
+def _named(m, name: str, field: str = "") -> list[str]:
     """What the check names for a change of operand `name`'s first element: the operand, and
-    where it is a quantized GEMM's packed payload, the weight whose row 0 that is (the engine
-    reads each weight back from the packed bytes too: Linear.held_weight)."""
+    where it is a quantized GEMM's packed payload or its scales, the weight whose row 0 that is
+    (the engine reads each weight back from them too: Linear.held_weight); not for the AVX2
+    form's expanded blocks, which only the forward reads."""
     from titan_rl.models.layers import held_operands
 
     op = dict(held_operands(m._net)).get(name)
+    if hasattr(op, "read_fields") and (field or op.read_fields()[0]) == "expanded":
+        return [name]
     rows = [f"{n}.weight" for n, mod in m._net.named_modules()
             if getattr(mod, "packed_rows", None) is not None and mod.packed_rows[0] is op and mod.packed_rows[1] == 0]
     return sorted([name, *rows])
@@ -230,8 +236,12 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
         s["clean"] = _sample_wide(link)[0].mu
     clean = s["clean"]
     name = _operand_name(engine_model(link.llm), kind)
-    if field and getattr(dict(held_operands(engine_model(link.llm)._net))[name], field) is None:
-        pytest.skip(f"{name} holds no {field} copy on this CPU (no native bf16 GEMM)")
+    op = dict(held_operands(engine_model(link.llm)._net))[name]
+    if field and getattr(op, field) is None:
+        pytest.skip(f"{name} holds no {field} copy on this CPU")
+    # a PackedQuant slot the forward does not read on this CPU (the payload beside AVX2's
+    # expanded blocks): the check still names it, and the forward must not move
+    read = not hasattr(op, "read_fields") or not field or field in op.read_fields()
     real = TitanForCausalLM.load_weights
 
     def corrupting_load(self, weights):
@@ -241,13 +251,14 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
 
     monkeypatch.setattr(TitanForCausalLM, "load_weights", corrupting_load)
     s["step"] += 1
-    named = ", ".join(_named(engine_model(link.llm), name)).replace(".", "[.]")
+    named = ", ".join(_named(engine_model(link.llm), name, field)).replace(".", "[.]")
     with pytest.raises(RunStopped, match=rf"^weights after the weight sync of step {s['step']}: the engine holds other "
                                          rf"weights than the trainer's forward uses: {named} \(") as e:
         link.sync(step=s["step"])
     assert "\n" not in str(e.value)
     monkeypatch.undo()
-    assert any(not torch.equal(a, b) for a, b in zip(clean, _sample_wide(link)[0].mu)), f"{name}: the forward did not move"
+    moved = any(not torch.equal(a, b) for a, b in zip(clean, _sample_wide(link)[0].mu))
+    assert moved == read, f"{name}{':' + field if field else ''}: the forward {'did not move' if read else 'moved'}"
 
 
 def test_a_separate_engine_with_a_corrupted_prepared_operand_stops_the_run(tmp_path):

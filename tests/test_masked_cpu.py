@@ -34,7 +34,17 @@ SUBSET = ["tests/test_kernels.py", "tests/test_quant_gemm.py", "tests/test_invar
           "tests/test_gdn_kernels.py::test_lane_stable_rows_do_not_depend_on_slicing_size_or_threads",
           "tests/test_hybrids_parity.py::test_the_stock_refusal_says_what_vllms_ops_refuse",
           "tests/test_hybrids_parity.py::test_stock_without_a_folder_is_refused_in_one_line_where_vllms_cpu_ops_cannot_run",
-          "tests/test_hybrids_parity.py::test_bf16_exact_is_bitwise_and_stock_is_vllms_own_and_not"]
+          "tests/test_hybrids_parity.py::test_bf16_exact_is_bitwise_and_stock_is_vllms_own_and_not",
+          # the quantized engine's AVX2 form (expanded bf16 blocks): its cells, vLLM parity, and the
+          # post-sync check with a corrupted payload, scale or expanded slot
+          "tests/test_quant_cells.py", "tests/test_quant_vllm.py",
+          *(f"tests/test_engine_link.py::test_a_corrupted_prepared_operand_stops_the_run_naming_it[qwen3-{recipe}-{kind}]"
+            for recipe, kinds in (("fp8_rowwise", ("packed_qkv", "packed_gate_up", "gemm_weight",
+                                                   "packed_qkv:packed", "packed_qkv:col_scale", "packed_qkv:expanded")),
+                                  ("nvfp4", ("packed_qkv", "packed_gate_up", "gemm_weight", "packed_gate_up:packed",
+                                             "packed_gate_up:block_scales", "packed_gate_up:col_scale",
+                                             "packed_gate_up:expanded")))
+            for kind in kinds)]
 # in those files but the same on every CPU kind: glibc's thresholds (titan_rl/malloc.py, 12 s)
 NOT_CPU_DEPENDENT = ["tests/test_invariance_guard.py::test_glibc_keeps_freed_memory_unless_told_not_to"]
 

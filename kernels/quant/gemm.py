@@ -114,6 +114,14 @@ class PackedQuant:
         # quant_expand); None where the AVX512 form expands per tile
         self.expanded = _ops().quant_expand(packed, block_scales, FORMATS[recipe])
 
+    def read_fields(self) -> tuple[str, ...]:
+        """The fields the forward reads on this CPU: the AVX2 form its expanded bf16 blocks
+        (the block scales folded in) and the column scales; the AVX512 form the packed payload,
+        the block scales (nvfp4) and the column scales."""
+        if self.expanded is not None:
+            return ("expanded", "col_scale")
+        return ("packed", *(("block_scales",) if self.block_scales is not None else ()), "col_scale")
+
     @classmethod
     def from_parts(cls, recipe: str, parts: Sequence[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> "PackedQuant":
         """From (payload, scales) per weight, as kernels.quant.quantize gives them (the engine's

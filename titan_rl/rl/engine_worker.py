@@ -77,8 +77,9 @@ def corrupt_operand(net, name: str, lm_head=None, field: str | None = None) -> N
     """Change one element of the prepared operand a weight_digests name `name` names
     (models.layers.held_operands of the engine's model `net`; LM_HEAD_OPERAND: `lm_head`, the
     wrapper's), where the engine's forward reads it: the first element of its first tensor, or
-    of its tensor `field` (a PackedWeight's "few_rows" copy; without `field`, a PackedWeight's
-    few-rows copy of that element too, so either path moves) (a float gets +1, a code byte flips
+    of its tensor `field` (a PackedWeight's "few_rows" copy, a PackedQuant's payload or scales;
+    without `field`, a PackedWeight's few-rows copy of that element too, so either path moves,
+    and the PackedQuant field the forward reads on this CPU: its expanded blocks on AVX2) (a float gets +1, a code byte flips
     an exponent bit of each value in it). For the tests of the post-sync check
     (titan_rl/rl/engine_link.py)."""
     from titan_rl.models.layers import LM_HEAD_OPERAND, held_operands
@@ -95,6 +96,8 @@ def corrupt_operand(net, name: str, lm_head=None, field: str | None = None) -> N
         return
     if field is None and isinstance(getattr(op, "few_rows", None), torch.Tensor):
         _bump(op.few_rows)  # the same element's copy that decode at 1-4 rows reads (PackedWeight)
+    if field is None and hasattr(op, "read_fields"):  # a PackedQuant: what the forward reads on this CPU
+        field = op.read_fields()[0]
     field = field or next(f for f in type(op).__slots__ if isinstance(getattr(op, f), torch.Tensor))
     t = getattr(op, field)
     if t.layout == torch._mkldnn:  # oneDNN's blocked layout: edit the plain form, reorder it back
