@@ -239,6 +239,9 @@ def test_expert_parallel_refusals_name_the_key_and_what_is_allowed():
         (["--parallelism.expert_parallel_degree=2"],
          r"parallelism.expert_parallel_degree = 2 needs a mixture-of-experts model; model.name = 'qwen3'"),
         ([*moe, "--parallelism.expert_parallel_degree=0"], r"parallelism.expert_parallel_degree = 0: must be >= 1"),
+        ([*moe, "--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full"],
+         r"expert_parallel_degree = 2 with activation_checkpoint.mode = 'full' is not built .*allowed: "
+         r"activation_checkpoint.mode = 'none'"),
         ([*moe, "--parallelism.expert_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
           "--model.tp_leaves=2"],
          r"expert_parallel_degree = 2 with parallelism.tensor_parallel_degree = 2 is not built"),

@@ -132,16 +132,23 @@ def test_two_separate_engines_with_a_quantized_recipe_write_the_colocated_metric
     assert [strip(m) for m in got] == [strip(m) for m in want]
 
 
-def test_moe_rl_router_replay_equals_own_routing_under_expert_parallel_with_zero_mismatch(tmp_path):
+@pytest.mark.parametrize("dtype, leaves", [("float32", 8), ("bfloat16", 8)])
+def test_moe_rl_router_replay_equals_own_routing_under_expert_parallel_with_zero_mismatch(tmp_path, dtype, leaves):
     """The MoE debug flavor, two runs that must write the same metrics.jsonl (wall-clock aside):
     one process with the sampler's recorded experts replayed into the trainer, and torchrun
     2 ranks with expert parallelism 2 (each rank 4 of the 8 experts, run for both ranks'
     tokens) and the trainer's own router. The sampler and the router agree everywhere (log-prob
     mismatch 0, expert disagreement 0 at every RL step), and EP 2 has the bits of one process:
-    4 gradient leaves, so each rank's experts add two leaves of each source rank in the tree;
-    the SFT steps clipped."""
+    8 gradient leaves (each rank's experts add four leaves of each source rank in the tree), fp32
+    and bf16 mixed precision; fresh seeds; the SFT steps clipped. The control (fp32): each
+    source's leaves in a running sum instead of the tree must change the bits (in bf16 the
+    leaves' gradients are bf16 values, whose sums of four fp32 holds exactly either way)."""
+    from _seeds import draw_seed
+
+    seed = draw_seed()
     args = ["--config", "train_configs/rl_debug_moe.toml", "--training.steps=4", "--lr_scheduler.warmup_steps=1",
-            "--checkpoint.enable=false", "--parallelism.gradient_leaves=4"]
+            "--checkpoint.enable=false", f"--parallelism.gradient_leaves={leaves}", f"--model.dtype={dtype}",
+            f"--model.seed={seed % 10_000}", f"--training.seed={seed}"]
     r = _train(tmp_path / "replay", [*args, "--rollout.router_replay=replay"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     r = _torchrun(tmp_path / "ep2", [*SHORT, *args, "--rollout.router_replay=off",
@@ -155,6 +162,13 @@ def test_moe_rl_router_replay_equals_own_routing_under_expert_parallel_with_zero
         assert m["route_bytes_per_token"] == 8  # 4 layers x top-2, uint8
     assert [_comparable(m) for m in got] == [_comparable(m) for m in want]
     assert any(m["grad_norm"] > 1.0 for m in got)  # max_norm = 1: the clipping acted
+    if dtype == "float32":  # the control: each source's leaves in a running sum, not the tree, changes the bits
+        r = _zygote.torchrun(2, [sys.executable, "-m", "titan_rl.train", "--run-dir", str(tmp_path / "control"), *SHORT,
+                                 *args, "--rollout.router_replay=off", "--parallelism.expert_parallel_degree=2"],
+                             env=dict(ENV, TITAN_RL_EP_CONTROL="running_sum"), timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        control = _metrics(tmp_path / "control")
+        assert [_comparable(m) for m in control] != [_comparable(m) for m in want]
     with pytest.raises(config.ConfigError, match="router_replay"):
         config.load(None, ['--rollout.router_replay="replay"'])  # the dense default has no router
 

@@ -388,6 +388,12 @@ def _check_expert_parallel(cfg: Config, spec, arch_cfg) -> None:
     if cfg.quantization.recipe != "none":
         raise ConfigError(f"{key} = {ep} with quantization.recipe = {cfg.quantization.recipe!r} is not built; "
                           "allowed: 1, or quantization.recipe = 'none'")
+    if cfg.activation_checkpoint.mode != "none":
+        # a recomputed forward would dispatch the experts' rows a second time before the leaf's
+        # backward, which the per-leaf exchange (titan_rl/titan/expert_parallel.py) does not pair
+        raise ConfigError(f"{key} = {ep} with activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r} is "
+                          "not built (the recomputed forward would exchange the experts' rows again inside the "
+                          "backward); allowed: activation_checkpoint.mode = 'none', or expert_parallel_degree = 1")
     n = getattr(arch_cfg, "num_experts", None) or getattr(arch_cfg, "n_routed_experts", None)
     if n and n < ep:
         raise ConfigError(f"{key} = {ep} must be <= the model's routed experts ({n}): each rank owns at least one")

@@ -27,6 +27,7 @@ FSDP-sharded rest (full_tensor() of a replicated one is its local copy).
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,10 @@ class ExpertParallel:
         self.first = [sum(sizes[:r]) for r in range(self.degree + 1)]  # rank r owns experts first[r]..first[r+1]-1
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._stacks: list[list[TreeStack]] = []  # [this rank's parameter][source]
+        # the tests' control (TITAN_RL_EP_CONTROL=running_sum): each source's leaves summed one
+        # after another instead of in the tree: other bits from 3 leaves a source on, which the
+        # EP-vs-one-process tests must catch
+        self._sum_of_source = RunningSum if os.environ.get("TITAN_RL_EP_CONTROL") == "running_sum" else TreeStack
         self._copies: dict[tuple[int, int], torch.Tensor] = {}
         self.rows_from_others = 0  # (token, slot) rows this rank's experts ran for other ranks
         for b in self.blocks:
@@ -152,7 +157,7 @@ class ExpertParallel:
         gets every expert's finished gradient."""
         mine = self.params_of(self.rank)
         if not self._stacks:
-            self._stacks = [[TreeStack() for _ in range(self.degree)] for _ in mine]
+            self._stacks = [[self._sum_of_source() for _ in range(self.degree)] for _ in mine]
         for p, stacks in zip(mine, self._stacks):
             for s, stack in enumerate(stacks):
                 c = self._copies.pop((id(p), s), None)
@@ -177,6 +182,20 @@ class ExpertParallel:
                 g = buf[offset:offset + p.numel()].view(p.shape)
                 p.grad = DTensor.from_local(g, self.mesh, [Replicate()], run_check=False) if isinstance(p, DTensor) else g
                 offset += p.numel()
+
+
+class RunningSum:
+    """TreeStack's interface, summing in push order: ((a + b) + c) + d. A control only."""
+
+    def __init__(self) -> None:
+        self._sum = None
+
+    def push(self, t: torch.Tensor) -> None:
+        self._sum = t if self._sum is None else self._sum + t
+
+    def pop(self) -> torch.Tensor:
+        out, self._sum = self._sum, None
+        return out
 
 
 def apply_ep(model: nn.Module, group, mesh, **dtypes) -> ExpertParallel:
