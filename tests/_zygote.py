@@ -266,6 +266,7 @@ def torchrun(nproc: int, cmd, *, env=None, cwd=None, timeout=None) -> subprocess
     join = lambda n: "".join(got[(r, n)] or "" for r in range(nproc))  # noqa: E731
     done = subprocess.CompletedProcess(cmd, code, join("out"), join("err"))
     done.rank_codes = codes  # each rank's own: a rank that aborted hides behind rank 0's echo of it
+    done.rank_stderr = [got[(r, "err")] or "" for r in range(nproc)]  # and what each printed itself
     return done
 
 

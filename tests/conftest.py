@@ -76,6 +76,24 @@ if os.environ.get("TITAN_RL_TOLERANCE_REPORT"):
     torch.testing.assert_close = _recording_assert_close
 
 
+def pytest_configure(config):
+    # torchrun launches retried after a runtime abort (tests/test_titan_parallel.py) are logged
+    # here by every xdist worker (they inherit the variable) and counted in the summary
+    if not os.environ.get("PYTEST_XDIST_WORKER") and "TITAN_RL_RETRY_LOG" not in os.environ:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="titan_rl_retries_", suffix=".log")
+        os.close(fd)
+        os.environ["TITAN_RL_RETRY_LOG"] = path
+
+
+def pytest_terminal_summary(terminalreporter):
+    path = os.environ.get("TITAN_RL_RETRY_LOG")
+    lines = open(path).read().splitlines() if path and os.path.exists(path) else []
+    terminalreporter.write_line(f"titan_rl: {len(lines)} torchrun launch(es) retried after a runtime abort"
+                                + (": " + "; ".join(lines) if lines else ""))
+
+
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("TITAN_RL_TOLERANCE_REPORT")
     if path and _USED:
@@ -88,7 +106,8 @@ def pytest_sessionfinish(session, exitstatus):
 # `--dist loadfile` hands files to the two workers in collection order, so the files that take
 # longest (several minutes each, measured with --durations) go first; otherwise they start last
 # and one worker runs alone for the final ten minutes. The order inside each file is kept.
-_SLOWEST_FIRST = ("test_train_torchrun.py", "test_titan_parallel.py", "test_train.py", "test_validation.py",
+_SLOWEST_FIRST = ("test_train_torchrun.py", "test_titan_parallel.py", "test_train.py", "test_episodes_engine.py",
+                  "test_validation.py",
                   "test_hybrid.py", "test_glm5_runs.py", "test_masked_cpu.py", "test_separate_choices.py",
                   "test_separate_checks.py", "test_chat_tasks.py", "test_engine_link.py", "test_hybrids_parity.py",
                   "test_triton_kernels.py", "test_triton_glm5.py", "test_invariance_guard.py", "test_quant_vllm.py",
