@@ -98,13 +98,23 @@ def main(argv=None) -> int:
                 p.send_signal(signal.SIGKILL)
             else:
                 os.kill(rng.choice(engines).pid, signal.SIGKILL)
-            out = p.communicate(timeout=120)[0]
+            try:
+                out = p.communicate(timeout=120)[0]
+                hung = False
+            except subprocess.TimeoutExpired:  # it did not stop: a finding, recorded with its last lines
+                for c in _engines(p.pid):
+                    c.kill()
+                p.kill()
+                out, hung = p.communicate()[0], True
+                print(f"HUNG after killing the {target} ({wait:.1f} s into the launch); its last lines:\n"
+                      + "\n".join(out.splitlines()[-8:]), flush=True)
             gone, alive = psutil.wait_procs(engines, timeout=30)
             orphans += len(alive)
             for a in alive:
                 a.kill()
             lines = len(read_metrics(run)) if os.path.exists(os.path.join(run, "metrics.jsonl")) else 0
             events.append({"after_s": round(wait, 1), "target": target, "exit": p.returncode, "lines": lines,
+                           "hung": hung,
                            "stopped_in_one_line": target == "trainer" or sum(
                                ln.startswith("error:") for ln in out.splitlines()) == 1})
         want = [comparable(m) for m in read_metrics(ref)]
@@ -122,7 +132,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-    return 0 if equal and not orphans and all(e.get("stopped_in_one_line", True) for e in events) else 1
+    ok = all(e.get("stopped_in_one_line", True) and not e.get("hung") for e in events)
+    return 0 if equal and not orphans and ok else 1
 
 
 if __name__ == "__main__":
