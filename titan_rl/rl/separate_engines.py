@@ -43,6 +43,7 @@ from titan_rl import contract
 from titan_rl.errors import RunStopped
 from titan_rl.launch import free_port
 from titan_rl.rl.engine_link import EngineLink, Ticket, trainer_state
+from titan_rl.rl.episodes import parts_per_episode
 from titan_rl.rollout import Rollout
 from titan_rl.run_dir import engine_folder
 
@@ -206,7 +207,7 @@ class SeparateEngines(EngineLink):
         whole = Rollout.join(results)
         dt = time.perf_counter() - t0
         grouped, at = [], 0
-        rows_each = self.episode_run([], step, version).parts  # an episode's rows: one function of the environment
+        rows_each = parts_per_episode(self.env)  # an episode's rows: one function of the environment
         for eps in shares:
             grouped.append(whole.rows(at, at + len(eps) * rows_each))
             at += len(eps) * rows_each
