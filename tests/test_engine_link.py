@@ -104,7 +104,8 @@ def test_a_sync_that_leaves_the_engine_other_weights_stops_naming_the_tensor(tmp
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.01)
-    assert link.sync(step=1) is True  # the engine holds exactly the trainer's forward operands
+    check = link.sync(step=1)  # the engine holds exactly the trainer's forward operands
+    assert len(check.engine) == 64 and check.engine == check.trainer and check.metrics()["weights_checksum_equal"]
     bad = "model.layers.2.mlp.up_proj.weight"
     named = [bad]
     if engine_model(link.llm).get_submodule(bad.removesuffix(".weight")).packed_rows is not None:
@@ -231,7 +232,8 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
     s = prepared_engine(case)
     link = s["link"]
     s["step"] += 1
-    assert link.sync(step=s["step"]) is True  # uncorrupted: every digest agrees
+    check = link.sync(step=s["step"])  # uncorrupted: every digest agrees
+    assert check.engine == check.trainer
     if "clean" not in s:  # the same weights every sync (the trainer's do not change): sampled once
         s["clean"] = _sample_wide(link)[0].mu
     clean = s["clean"]

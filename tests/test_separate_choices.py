@@ -36,6 +36,11 @@ def test_a_separate_engine_sends_its_routes_key_sets_and_kept_sets_and_the_run_i
         assert m["expert_disagreement"] == 0.0 and m["index_disagreement"] == 0.0, m
         assert m["route_bytes_per_token"] > 0 and m["index_bytes_per_token"] > 0 and m["kept_set_bytes_per_token"] > 0
     assert [comparable(m) for m in got] == [comparable(m) for m in want]
+    # the engine's digest read in its own process equals the in-process engine's, step by step
+    # (a TP-1 engine reports its rank's digest; weights_sha256_* are not in `comparable`)
+    digests = [[(m["weights_sha256_trainer"], m["weights_sha256_engine"]) for m in ms if m["phase"] == "rl"]
+               for ms in (want, got)]
+    assert digests[0] == digests[1] and all(t == e for t, e in digests[1]) and len(set(digests[1])) == 2
 
 
 def test_one_step_off_policy_the_records_are_replayed_at_the_behaviour_weights(tmp_path):

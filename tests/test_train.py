@@ -39,9 +39,13 @@ def test_rl_run_has_zero_mismatch_and_equal_weights(uninterrupted):
     for m in rl:
         assert m["max_abs_dlogp"] == 0.0 and m["bitwise_fraction"] == 1.0, m
         assert m["weights_checksum_equal"] is True
+        # the two sides' digests, each computed where its weights live: equal, and moving
+        # with the weights from one sync to the next
+        assert len(m["weights_sha256_trainer"]) == 64 and m["weights_sha256_engine"] == m["weights_sha256_trainer"]
         for key in ("reward_mean", "response_length", "loss", "grad_norm", "k3_mean", "mean_abs_dlogp",
                     "rollout_tokens_per_s", "train_tokens_per_s", "rollout_sha256"):
             assert key in m
+    assert len({m["weights_sha256_engine"] for m in rl}) == len(rl)
     # the execution contract: its hash on every RL line, its entries on the first (titan_rl.contract)
     from titan_rl.contract import canonical_json
 

@@ -10,7 +10,10 @@ operands the engine prepares once per load (`trainer_digests`, by the engine's o
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -88,6 +91,28 @@ def digest_differences(expected: Mapping[str, str], held: Mapping[str, str]) -> 
     """The names whose digest differs between what an engine should hold (`expected`) and
     what it holds (`held`), or that one side lacks, sorted."""
     return sorted(n for n in expected.keys() | held.keys() if expected.get(n) != held.get(n))
+
+
+def combined_digest(digests: Mapping[str, str] | list) -> str:
+    """One sha256 over a side's {name: digest} (sorted by name), or over a list of such
+    digests in order (an engine's TP ranks, several engines): the value each side reports
+    after a sync (`WeightCheck`), so a metrics line carries both sides' figures, not a verdict."""
+    items = sorted(digests.items()) if isinstance(digests, Mapping) else list(digests)
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    """What a weight sync's checksum saw: the combined digest of what the trainer's forward
+    multiplies by and of what the engine holds (read in the engine's process). A sync whose
+    sides differ stops the run before this is logged; logged, the two are the evidence."""
+
+    trainer: str
+    engine: str
+
+    def metrics(self) -> dict:
+        return {"weights_sha256_trainer": self.trainer, "weights_sha256_engine": self.engine,
+                "weights_checksum_equal": self.trainer == self.engine}
 
 
 def weights_differ(when: str, engine: str, names: list[str], how: str) -> str:

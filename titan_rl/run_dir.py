@@ -22,10 +22,15 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(ln) for ln in f if ln.strip()]
 
 
+# not compared between runs: where a relaunch resumed from, and the weight sync's digests (they
+# hash the slices each engine's layout holds, so a TP-2 engine's differ from a TP-1 engine's)
+_NOT_COMPARED = ("resumed_from_step", "weights_sha256_trainer", "weights_sha256_engine")
+
+
 def comparable(m: dict) -> dict:
     """A metrics line without wall-clock and memory fields, nor where a relaunch resumed from
-    (for resume- and layout-equality checks)."""
-    return {k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib")) and k != "resumed_from_step"}
+    or the layout-dependent weight digests (for resume- and layout-equality checks)."""
+    return {k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib")) and k not in _NOT_COMPARED}
 
 
 class MetricsFile:

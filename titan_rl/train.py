@@ -28,10 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-from titan_rl import quiet
+from titan_rl import lifeline, quiet
 
 # at import: engine processes started with "spawn" import this module first (as __mp_main__)
 quiet.install()
+if lifeline.started_by_a_trainer():  # before vLLM's start-up handshake: a killed trainer kills it
+    lifeline.die_with_parent()
 
 
 def main(argv=None) -> int:

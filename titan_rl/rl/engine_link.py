@@ -34,6 +34,7 @@ from titan_rl import contract
 from titan_rl.choices import KINDS
 from titan_rl.dtypes import DTYPES
 from titan_rl.errors import RunStopped
+from titan_rl.quant_weights import WeightCheck
 from titan_rl.rl.ranks import Ranks
 from titan_rl.rl.versions import Versions
 from titan_rl.rollout import Rollout
@@ -91,9 +92,10 @@ class EngineLink(abc.ABC):
         """(this rank's Rollout of `ticket`, seconds spent generating, the weights' version)."""
 
     @abc.abstractmethod
-    def sync(self, step: int) -> bool | None:
-        """The trainer's current weights into the engine; the checksum's verdict (None
-        where the engine's parameters are not ours to compare: `checks_weights`)."""
+    def sync(self, step: int) -> WeightCheck | None:
+        """The trainer's current weights into the engine; what the checksum saw on each side
+        (titan_rl.quant_weights.WeightCheck: a difference stops the run here), None where the
+        engine's parameters are not ours to compare (`checks_weights`)."""
 
     @property
     def checks_weights(self) -> bool:
@@ -217,7 +219,8 @@ class ColocatedEngine(EngineLink):
 
     def sync(self, step):
         from titan_rl.quant_weights import (
-            digest_differences, quantized_state, state_bytes, trainer_digests, weight_recipes, weights_differ,
+            combined_digest, digest_differences, quantized_state, state_bytes, trainer_digests, weight_recipes,
+            weights_differ,
         )
         from titan_rl.vllm.engine import engine_model, update_weights
 
@@ -239,7 +242,7 @@ class ColocatedEngine(EngineLink):
         differ = digest_differences(mine, theirs)
         if self.ranks.any(bool(differ)):
             raise RunStopped(weights_differ(when, "the engine", differ or ["on another rank"], ""))
-        return True
+        return WeightCheck(combined_digest(mine), combined_digest(theirs))
 
     def _check_contract(self, when: str) -> None:
         """This rank's engine against its trainer; all ranks stop together if one refuses."""

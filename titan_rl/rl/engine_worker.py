@@ -27,13 +27,16 @@ class TitanWorkerExtension:
             return {"rank": self.rank % tp, "tp": tp, "split": {}}
         return {"rank": m._tp_rank, "tp": m._tp, "split": dict(m._tp_split)}
 
-    def titan_verify_weights(self, expected_by_rank: list[dict[str, str]]) -> list[str]:
-        """The names whose digest differs from what this TP rank should hold
-        (`expected_by_rank[rank]`), or that one side lacks, sorted."""
-        from titan_rl.quant_weights import digest_differences
+    def titan_verify_weights(self, expected_by_rank: list[dict[str, str]]) -> dict:
+        """This TP rank's weights against what it should hold (`expected_by_rank[rank]`):
+        {"differ": names whose digest differs or that one side lacks, sorted; "sha256": the
+        combined digest of what it holds, "rank": its TP rank}."""
+        from titan_rl.quant_weights import combined_digest, digest_differences
 
         m = self._titan_model()
-        return digest_differences(expected_by_rank[m._tp_rank], m.weight_digests())
+        held = m.weight_digests()
+        return {"differ": digest_differences(expected_by_rank[m._tp_rank], held), "sha256": combined_digest(held),
+                "rank": m._tp_rank}
 
     def titan_contract(self) -> dict:
         """This engine's execution contract (its entries) and where it runs."""

@@ -53,6 +53,14 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return [float(x) for x in t]
 
+    def broadcast(self, obj, src: int = 0):
+        """Rank `src`'s `obj` on every rank (a picklable value)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any rank."""
         return self.reduce(1.0 if flag else 0.0, "max") > 0

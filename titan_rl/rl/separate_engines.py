@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from titan_rl import contract
 from titan_rl.errors import RunStopped
+from titan_rl.quant_weights import WeightCheck
 from titan_rl.launch import free_port
 from titan_rl.rl.engine_link import EngineLink, Ticket, trainer_state
 from titan_rl.rl.episodes import parts_per_episode
@@ -70,6 +71,7 @@ class SeparateEngines(EngineLink):
         self.restarts = 0
         self.sync_bytes = 0
         self._last_sent = None  # rank 0, restart_engines: (state sent, its digests, step) of the last transfer
+        self._held: dict[int, str] = {}  # rank 0: each engine's combined digest after its last verified sync
 
     # -- the engines (rank 0) --------------------------------------------------------------
     def _launch(self, index: int, folder: str) -> _Engine:
@@ -262,8 +264,8 @@ class SeparateEngines(EngineLink):
         return latest_checkpoint_step(self.cfg, self.run_dir) if self.cfg.checkpoint.enable else 0
 
     # -- weights ---------------------------------------------------------------------------
-    def sync(self, step: int) -> bool | None:
-        from titan_rl.quant_weights import quantized_state, weight_recipes
+    def sync(self, step: int) -> WeightCheck | None:
+        from titan_rl.quant_weights import combined_digest, quantized_state, weight_recipes
 
         error = None
         if self.ranks.rank == 0:
@@ -292,7 +294,16 @@ class SeparateEngines(EngineLink):
                 error = err
         self._agree(error)
         self._check_engines(f"after the weight sync of step {step}")
-        return True if self.checks_weights else None
+        if not self.checks_weights:
+            return None
+        check = None
+        if self.ranks.rank == 0:  # the engines answer rank 0
+            # each engine's digest read in its own processes; the trainer's from what it expects
+            # of each engine's ranks, once per engine, so both sides combine the same way
+            mine = _per_engine([combined_digest(d) for d in expected])
+            held = {self._held[e.index] for e in self.engines}
+            check = WeightCheck(mine, held.pop() if len(held) == 1 else combined_digest(sorted(held)))
+        return self.ranks.broadcast(check)
 
     def _send(self, e: _Engine, sent: dict, expected: dict, step: int) -> _Engine:
         """The weights of `step` into engine e, verified there; a dead engine is restarted
@@ -306,10 +317,11 @@ class SeparateEngines(EngineLink):
         e.llm.reset_prefix_cache()  # KV and states computed under the old weights are never reused
         if expected is None:
             return e
-        differ = e.llm.collective_rpc("titan_verify_weights", args=(expected,))
-        bad = sorted({n for d in differ for n in d})
+        seen = sorted(e.llm.collective_rpc("titan_verify_weights", args=(expected,)), key=lambda d: d["rank"])
+        bad = sorted({n for d in seen for n in d["differ"]})
         if bad:
             raise RunStopped(weights_differ(f"after {when}", f"engine {e.index}", bad, ", computed in each process"))
+        self._held[e.index] = _per_engine([d["sha256"] for d in seen])
         return e
 
     def _restart(self, e: _Engine, during: str) -> _Engine:
@@ -340,6 +352,14 @@ class SeparateEngines(EngineLink):
         self.engines = []
         if self.thread is not None:
             self.thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _per_engine(rank_digests: list[str]) -> str:
+    """One engine's combined digest from its TP ranks' (a TP-1 engine's is its rank's: the
+    colocated engine's figure)."""
+    from titan_rl.quant_weights import combined_digest
+
+    return rank_digests[0] if len(rank_digests) == 1 else combined_digest(rank_digests)
 
 
 def _expected_digests(model: torch.nn.Module, state: dict, recipes: dict, sent: dict, layout: dict

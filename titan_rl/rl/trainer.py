@@ -190,7 +190,7 @@ class RLTrainer(Trainer):
         # included in "loss", times their coefficients; the last update's
         metrics.update({name: self.plan.piece_mean(values) for name, values in update["aux"].items()})
         t0 = time.perf_counter()
-        same = self.engine.sync(self.step)
+        check = self.engine.sync(self.step)
         times["weight_sync"], times["rollout"], times["env"] = time.perf_counter() - t0, t_roll, rollout.env_seconds
         n_tok = int(b.mask.sum())
         stats = self.plan.batch_stats(rewards, n_tok, B, b.loss_mask, update["pieces"])
@@ -203,7 +203,7 @@ class RLTrainer(Trainer):
             "loss": update["loss"],
             "grad_norm": update["grad_norm"],
             "clip_fraction": stats["clip_fraction"],
-            "weights_checksum_equal": same,
+            **(check.metrics() if check is not None else {"weights_checksum_equal": None}),
             "policy_lag": lag,
             **self.engine.metrics(),
             **self.engine.contract_metrics(),

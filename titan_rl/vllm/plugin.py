@@ -5,13 +5,14 @@ import os
 import sys
 import types
 
+# TRAINER_PID: titan_rl.vllm.engine reads it here
+from titan_rl.lifeline import TRAINER_PID, die_with_parent, started_by_a_trainer  # noqa: F401
+
 # Set-up removes torchvision: the only builds reachable are CUDA builds that fail to import
 # ("operator torchvision::nms does not exist"), and a broken torchvision breaks `import vllm`.
 _QWEN2_VL_IMAGES = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 
-
-# Set by titan_rl.rl.separate_engines for the engine processes it starts (inherited at spawn).
-TRAINER_PID = "TITAN_RL_TRAINER_PID"
+# Set by titan_rl.vllm.engine for the engine processes it starts (inherited at spawn).
 EXACT_SAMPLING = "TITAN_RL_EXACT_SAMPLING"
 FORK_WORKER = "TITAN_RL_FORK_WORKER"  # "1": an engine of TP 1, whose engine core forks its one worker
 
@@ -28,7 +29,7 @@ def register() -> None:
         if spec.vllm_architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(spec.vllm_architecture, spec.vllm_class)
     weight_transfer.register()
-    if os.environ.get(TRAINER_PID) and os.environ[TRAINER_PID] != str(os.getpid()):
+    if started_by_a_trainer():
         _engine_process()
 
 
@@ -46,9 +47,9 @@ def _engine_process() -> None:
     fork clears, is set again in it. Not at TP 2: a forked process ends in os._exit, without
     the C++ teardown that unlinks vLLM's CPU shared-memory TP channel (seen: 8 MiB left in
     /dev/shm per engine), so those workers stay spawned."""
-    _die_with_parent()
+    die_with_parent()
     if os.environ.get(FORK_WORKER) == "1":
-        os.register_at_fork(after_in_child=_die_with_parent)
+        os.register_at_fork(after_in_child=die_with_parent)
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     mode = os.environ.get(EXACT_SAMPLING)
     if mode:
@@ -68,18 +69,6 @@ def _cpu_generators() -> None:
         from titan_rl.vllm.cpu_generators import install
 
         install()
-
-
-def _die_with_parent() -> None:
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent died before the prctl took effect
-        os._exit(1)
 
 
 def _text_only_vl_imports() -> None:
