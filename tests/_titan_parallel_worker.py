@@ -560,7 +560,7 @@ def det_train(arch: str, flavor: str, mesh, deterministic: bool, param_dtype=Non
     return {n: full(p).detach().clone() for n, p in m.named_parameters()}
 
 
-EP_TAGS = ("moe", "glm5")  # scripts/matrix.py --layout ep2 runs the other two (README)
+EP_TAGS = ("moe", "glm5")  # scripts/matrix.py --layout ep2 runs the other two (docs/engines.md, docs/figures.md)
 
 
 def run_det_fsdp(res: dict) -> None:
