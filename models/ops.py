@@ -35,7 +35,6 @@ from titan_rl.kernels.gdn import causal_conv1d_torch, gdn_chunked, lane_stable
 from titan_rl.kernels.indexer.torch_impl import key_rows
 from titan_rl.kernels.layernorm.torch_impl import layer_norm_eager
 from titan_rl.kernels.moe.torch_impl import topk_ties_low
-from titan_rl.kernels.quant.gemm import PackedQuant, quant_linear, quant_operands, uses_quant_gemm
 from titan_rl.kernels.quant.recipes import QuantLayer, QuantRecipe
 from titan_rl.kernels.rmsnorm.torch_impl import rms_norm_eager
 from titan_rl.kernels.sparse_attention.torch_impl import sparse_attention_eager, sparse_attention_heads
@@ -124,25 +123,16 @@ class Ops:
             return partial(linear_k_leaves, k_leaves=L)
         return self.linear
 
-    def same_input(self, x: torch.Tensor, mods: list, packed=None) -> list[torch.Tensor]:
+    def same_input(self, x: torch.Tensor, mods: list) -> list[torch.Tensor]:
         """mods' outputs on x (q/k/v, gate/up). Exact mode without TP pieces runs them as
         ONE GEMM over the concatenated weights (fewer, larger calls; the trainer
-        concatenates per call, the engine passes `packed`, the same weights prepared
-        once); both sides take this path, so both get its bits. Quantized mods (one group,
-        so one recipe): each weight is quantized on its own (a per-tensor scale must not
-        span q, k and v), the input once."""
-        ws = [m.weight for m in mods]
-        if not self.fuse_same_input or self.tp_leaves or any(isinstance(w, DTensor) for w in ws):
+        concatenates per call, the engine reads the same weights prepared once:
+        kernels/linear_forms.py fused_linear); both sides take this path, so both get its bits."""
+        if not self.fuse_same_input or self.tp_leaves or any(isinstance(m.weight, DTensor) for m in mods):
             return [m(x) for m in mods]
-        if mods[0].recipe is not None:
-            if isinstance(packed, PackedQuant) or (packed is None and uses_quant_gemm(mods[0].recipe, x.dtype, x.device)):
-                y = quant_linear(x, quant_operands(mods) if packed is None else packed, mods[0].recipe)
-                return split_last(y, [m.out_rows for m in mods])
-            x = mods[0].operand_input(x)
-            if packed is None:
-                ws = [m.operand_weight() for m in mods]
-        y = self.linear(x, torch.cat(ws) if packed is None else packed)
-        return split_last(y, [m.out_rows for m in mods])
+        from titan_rl.kernels.linear_forms import fused_linear
+
+        return split_last(fused_linear(x, mods, self.linear), [m.out_rows for m in mods])
 
 
 # -- the stock functions (plain torch) ------------------------------------------------------

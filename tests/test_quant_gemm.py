@@ -196,7 +196,7 @@ def test_engine_forward_equals_the_trainers_in_both_forms(recipe, form, monkeypa
     packed payload in the dpbf16 form, no dense copy; the dequantized weight in the dense form)
     equals the trainer's, a batch and a row alone. "dense" is forced here to test what CPUs
     without AVX512-BF16 run."""
-    from titan_rl.models.layers import Linear, prepare_for_engine
+    from titan_rl.models.layers import Linear, held_operands, prepare_for_engine
     from titan_rl.models.options import ModelOptions, Quantization
     from titan_rl.quant_weights import quantized_state, weight_recipes
     from titan_rl.registry import get_architecture
@@ -216,9 +216,7 @@ def test_engine_forward_equals_the_trainers_in_both_forms(recipe, form, monkeypa
         for name, t in quantized_state(state, weight_recipes(trainer)).items():
             covered[name].load_quantized(name, t, torch.bfloat16) if name in covered else params[name].copy_(t)
     prepare_for_engine(engine)
-    prepared = [m for m in engine.modules() if getattr(m, "packed_qkv", None) is not None or
-                getattr(m, "packed_gate_up", None) is not None]
-    packed = [getattr(m, "packed_qkv", None) or getattr(m, "packed_gate_up") for m in prepared]
+    packed = [op for name, op in held_operands(engine) if name.endswith(("packed_qkv", "packed_gate_up"))]
     assert packed and all(isinstance(p, qg.PackedQuant) == (form == "dpbf16") for p in packed)
     tokens = torch.randint(0, trainer.cfg.vocab_size, (4, 19), generator=_gen())
     with torch.no_grad():

@@ -105,7 +105,10 @@ def test_bf16_upcast_form_is_exact_too(tmp_path_factory, rng, monkeypatch):
                                         "bfloat16")
     llm = make_llm(folder, EngineSettings(dtype="bfloat16", kv_cache_mib=64, max_model_len=512, max_num_seqs=8,
                                           max_num_batched_tokens=64))
-    assert engine_model(llm).model.layers[0].mlp.packed_gate_up.dtype == torch.float32
+    from titan_rl.models.layers import held_operands
+
+    held = dict(held_operands(engine_model(llm)._net))
+    assert held["model.layers.0.mlp.packed_gate_up"].dtype == torch.float32
     prompts = _prompts(rng, [150, 3, 70, 20])
     res = _gen(llm, prompts, max_tokens=12)
     assert isinstance(engine_model(llm)._lm_head_prepared, mm.PackedWeight)

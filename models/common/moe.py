@@ -96,9 +96,11 @@ class SparseMoeBlock(nn.Module):
     # contract as moe_experts, the experts run by the ranks that own them
     expert_parallel = None
 
-    def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
+    def engine_operands(self, source) -> list:
         """Nothing prepared for the router: router_topk multiplies by its weight, per call."""
-        return {}, [self.gate]
+        from titan_rl.kernels.linear_forms import untouched
+
+        return untouched(self.gate)
 
     def forward(self, x):
         weights, ids, probs, own = router_topk(

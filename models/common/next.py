@@ -104,11 +104,10 @@ class GatedAttention(Attention):
         self.o_proj = Linear(h * d, e, ops, "row", "attention")
         self.q_norm = HeadRMSNorm(d, cfg.rms_norm_eps, ops, offset=True)
         self.k_norm = HeadRMSNorm(d, cfg.rms_norm_eps, ops, offset=True)
-        self.packed_qkv = None
 
     def forward(self, x, positions, attn: AttentionFn):
         T, d = x.shape[0], self.d
-        qg, k, v = self.ops.same_input(x, [self.q_proj, self.k_proj, self.v_proj], self.packed_qkv)
+        qg, k, v = self.ops.same_input(x, [self.q_proj, self.k_proj, self.v_proj])
         qg = qg.view(T, self.h, 2 * d)
         q, gate = qg[..., :d].contiguous(), qg[..., d:]
         q = self.q_norm(q)

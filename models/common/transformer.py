@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from titan_rl.models.common.config import DenseConfig
-from titan_rl.models.layers import AttentionFn, HeadRMSNorm, Linear, RMSNorm, WeightSource, fused_operands
+from titan_rl.kernels.linear_forms import Operand, fused_operands
+from titan_rl.models.layers import AttentionFn, HeadRMSNorm, Linear, RMSNorm, WeightSource
 from titan_rl.models.ops import Ops
 from titan_rl.models.options import ModelOptions
 
@@ -41,11 +42,10 @@ class Attention(nn.Module):
             self.k_norm = HeadRMSNorm(d, cfg.rms_norm_eps, ops)
         else:
             self.q_norm = self.k_norm = None
-        self.packed_qkv = None  # engine: [q; k; v] prepared once (prepare_for_engine)
 
     def forward(self, x, positions, attn: AttentionFn):
         T = x.shape[0]
-        q, k, v = self.ops.same_input(x, [self.q_proj, self.k_proj, self.v_proj], self.packed_qkv)
+        q, k, v = self.ops.same_input(x, [self.q_proj, self.k_proj, self.v_proj])
         q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -53,9 +53,8 @@ class Attention(nn.Module):
         o = attn(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(T, self.h * self.d))
 
-    PREPARED = ("packed_qkv",)  # engine: models.layers.engine_operands sets it
-
-    def engine_operands(self, source: WeightSource) -> tuple[dict, list[nn.Module]]:
+    def engine_operands(self, source: WeightSource) -> list[Operand]:
+        """The engine's [q; k; v], prepared once per load (kernels/linear_forms.py: Fused)."""
         return fused_operands("packed_qkv", [self.q_proj, self.k_proj, self.v_proj], source)
 
 
@@ -68,15 +67,13 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col", group)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ops, "col", group)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ops, "row", group)
-        self.packed_gate_up = None  # engine: [gate; up] prepared once (prepare_for_engine)
 
     def forward(self, x):
-        gate, up = self.ops.same_input(x, [self.gate_proj, self.up_proj], self.packed_gate_up)
+        gate, up = self.ops.same_input(x, [self.gate_proj, self.up_proj])
         return self.down_proj(self.ops.silu_mul(gate, up))
 
-    PREPARED = ("packed_gate_up",)
-
-    def engine_operands(self, source: WeightSource) -> tuple[dict, list[nn.Module]]:
+    def engine_operands(self, source: WeightSource) -> list[Operand]:
+        """The engine's [gate; up], prepared once per load."""
         return fused_operands("packed_gate_up", [self.gate_proj, self.up_proj], source)
 
 

@@ -41,6 +41,7 @@ from titan_rl.kernels.moe import compact_routes, moe_experts, router_sigmoid_top
 from titan_rl.kernels.sparse_attention.torch_impl import attention_target, selected_rows
 from titan_rl.models.common.choice_points import ChoicePoint
 from titan_rl.models.common.transformer import MLP, Backbone, CausalLM
+from titan_rl.kernels.linear_forms import Heads, heads_operand, untouched
 from titan_rl.models.layers import Linear, RMSNorm
 from titan_rl.models.ops import Ops
 from titan_rl.models.options import ModelOptions
@@ -126,9 +127,9 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.d, 1e-6, ops)
         self.weights_proj = Linear(cfg.hidden_size, self.h, ops)
 
-    def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
+    def engine_operands(self, source) -> list:
         """Nothing prepared for weights_proj: `queries` multiplies by its weight in fp32, per call."""
-        return {}, [self.weights_proj]
+        return untouched(self.weights_proj)
 
     def _rope_first(self, x, positions):
         r = self.rope_dim
@@ -173,7 +174,6 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, ops) if cfg.indexer_types[layer_idx] == "full" else None
         self.scale = cfg.qk_head_dim ** -0.5
         self.index_scale = cfg.index_head_dim ** -0.5
-        self.absorbed = None  # engine: {"w_uk_t": per head, "w_uv": per head} prepared once (engine_operands)
         # the key positions [T, topk] attended to; a replayed row starting with -1 keeps the indexer's own
         n = cfg.max_position_embeddings
         self.indices = ChoicePoint("indices", lambda ind: compact_indices(ind, n)) if self.indexer is not None else None
@@ -182,10 +182,11 @@ class MLAttention(nn.Module):
         self.heads_gather = None
 
     def per_head(self) -> tuple[list, list]:
-        """The absorbed form's per-head weights: the engine's prepared ones, else the trainer's
-        from kv_b_proj (`split_heads`)."""
-        if self.absorbed is not None:
-            return self.absorbed["w_uk_t"], self.absorbed["w_uv"]
+        """The absorbed form's per-head weights: the engine's, prepared once per load (kv_b_proj's
+        form, kernels/linear_forms.py: Heads), else the trainer's from kv_b_proj (`split_heads`)."""
+        form = self.kv_b_proj.form
+        if isinstance(form, Heads):
+            return form.operand["w_uk_t"], form.operand["w_uv"]
         return self.split_heads(self.kv_b_proj.weight)
 
     def split_heads(self, kv_b: torch.Tensor) -> tuple[list, list]:
@@ -255,17 +256,15 @@ class MLAttention(nn.Module):
         log_q = index_log_probs(qi, wi, keys, valid, self.index_scale).masked_fill(~valid, 0.0)  # -inf at padding
         return (torch.xlogy(target, target) - target * log_q).sum(-1).mean()
 
-    PREPARED = ("absorbed",)  # engine: models.layers.engine_operands sets it
-
-    def engine_operands(self, source) -> tuple[dict, list[nn.Module]]:
+    def engine_operands(self, source) -> list:
         """The per-head weights prepared for the GEMM, from kv_b_proj's weight as `source` gives
-        it. They cover kv_b_proj (the absorbed form never calls it); the module's other Linears
-        are prepared as usual."""
+        it, read through kv_b_proj's form (the absorbed form never calls it); the module's other
+        Linears are prepared as usual."""
         from titan_rl.kernels import gemm_weight
 
         w_uk_t, w_uv = self.split_heads(source(self.kv_b_proj))
-        return {"absorbed": {"w_uk_t": [gemm_weight(w.detach()) for w in w_uk_t],
-                             "w_uv": [gemm_weight(w.detach()) for w in w_uv]}}, [self.kv_b_proj]
+        return heads_operand("absorbed", self.kv_b_proj, {"w_uk_t": [gemm_weight(w.detach()) for w in w_uk_t],
+                                                         "w_uv": [gemm_weight(w.detach()) for w in w_uv]})
 
 
 class SigmoidRouter(nn.Module):
