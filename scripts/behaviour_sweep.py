@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,11 +60,16 @@ def run_cell(name: str, args: list[str]) -> dict:
         dt = time.perf_counter() - t0
         if r.returncode != 0:
             tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
-            return {"cell": name, "rc": r.returncode, "last_line": tail[0], "seconds": dt}
+            return {"cell": name, "rc": r.returncode, "last_line": _no_run_dir(tail[0]), "seconds": dt}
         # wall-clock and memory fields aside; the weight digests kept (one layout against itself)
         lines = [{k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib"))}
                  for m in read_metrics(tmp)]
         return {"cell": name, "rc": 0, "lines": lines, "seconds": dt}
+
+
+def _no_run_dir(line: str) -> str:
+    """A refusal's line without the temporary run dir it names (it differs run to run)."""
+    return re.sub(r"/tmp/tmp[\w]+", "<run dir>", line)
 
 
 def first_difference(a: list[dict], b: list[dict]) -> str:
@@ -93,7 +99,8 @@ def main(argv=None) -> int:
             elif x["rc"] != y["rc"]:
                 verdict = f"rc {x['rc']} vs {y['rc']}"
             elif x["rc"] != 0:
-                verdict = "both refused/failed: " + ("same line" if x["last_line"] == y["last_line"] else "other lines")
+                same = _no_run_dir(x["last_line"]) == _no_run_dir(y["last_line"])
+                verdict = "both refused/failed: " + ("same line" if same else "other lines")
             else:
                 d = first_difference(x["lines"], y["lines"])
                 verdict = f"DIFFERS ({d})" if d else f"equal ({len(x['lines'])} lines)"
