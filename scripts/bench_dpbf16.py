@@ -82,7 +82,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from titan_rl.malloc import restart_with_tunables
+    from titan_rl.malloc import run_main
 
-    restart_with_tunables()  # glibc reads its malloc tunables only at start (titan_rl/malloc.py)
-    main()
+    run_main(main)

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import logging
 import os
-import sys
 import tempfile
 import time
 
@@ -305,7 +304,6 @@ def _arch_name(model) -> str:
 
 
 if __name__ == "__main__":
-    from titan_rl.malloc import restart_with_tunables
+    from titan_rl.malloc import run_main
 
-    restart_with_tunables()  # glibc reads its malloc tunables only at start (titan_rl/malloc.py)
-    sys.exit(main())
+    run_main(main)

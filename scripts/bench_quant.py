@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
@@ -202,7 +201,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from titan_rl.malloc import restart_with_tunables
+    from titan_rl.malloc import run_main
 
-    restart_with_tunables()  # glibc reads its malloc tunables only at start (titan_rl/malloc.py)
-    sys.exit(main())
+    run_main(main)

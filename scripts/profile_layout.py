@@ -30,8 +30,9 @@ _N: dict[str, int] = defaultdict(int)
 
 def _timed(owner, name: str, key: str) -> None:
     fn = getattr(owner, name, None)
-    if fn is None:  # an older leaf_reduction (e.g. timing the previous commit)
-        return
+    if fn is None:  # a renamed method would leave its phase silently untimed
+        raise SystemExit(f"profile_layout: {getattr(owner, '__name__', owner)}.{name} does not exist: the code it "
+                         "times was renamed; update _timed's targets in scripts/profile_layout.py")
 
     @functools.wraps(fn)
     def wrapper(*a, **k):
@@ -74,8 +75,11 @@ def install(out_prefix: str) -> None:
                 _timed(plan, meth, f"plan.{meth}")
     _timed(titan_model.TitanModel, "forward", "model_forward")
     T = trainer.RLTrainer
-    for meth in ("_score", "_rollout", "_optimizer_step"):
+    for meth in ("_score", "_rollout"):
         _timed(T, meth, meth)
+    from titan_rl.rl.optimizer_step import OptimizerStep
+
+    _timed(OptimizerStep, "__call__", "_optimizer_step")  # clip, skip or step (was RLTrainer._optimizer_step)
     _timed(torch.optim.AdamW, "step", "adamw")
 
     step_fn = T.train_step

@@ -167,10 +167,10 @@ def test_stock_mode_reports_the_op_entries_and_refuses_the_rest():
     # the engine side of a stock engine: vLLM's built-in model, read from its HF config and parameters
     hf = SimpleNamespace(architectures=["Qwen3ForCausalLM"], to_dict=lambda: _model().cfg.hf_config())
     builtin = torch.nn.Linear(4, 4)
-    engine = contract._builtin_contract(SimpleNamespace(hf_config=hf, dtype=torch.bfloat16), builtin)
+    engine = contract.builtin_contract(SimpleNamespace(hf_config=hf, dtype=torch.bfloat16), builtin)
     assert engine.ops["linear"] == "vllm built-in torch.nn.modules.linear.Linear"
     assert check(trainer, engine) == sorted(OP_ENTRIES)
-    engine32 = contract._builtin_contract(SimpleNamespace(hf_config=hf, dtype=torch.float32), builtin)
+    engine32 = contract.builtin_contract(SimpleNamespace(hf_config=hf, dtype=torch.float32), builtin)
     msg = _refused(trainer, engine32)
     assert "dtype (trainer 'bfloat16', engine 'float32')" in msg and "op.linear" not in msg
 
@@ -186,14 +186,16 @@ def _trainer(model):
 def test_trainer_logs_the_contract_and_refuses_a_perturbed_engine(monkeypatch):
     model = _model()
     t = _trainer(model)
-    monkeypatch.setattr(contract, "engine_contract", lambda llm: contract_of(model))
+    from titan_rl.vllm import engine_contract
+
+    monkeypatch.setattr(engine_contract, "engine_contract", lambda llm: contract_of(model))
     t._check_contract("before the first rollout")
     first, second = t.contract_metrics(), t.contract_metrics()
     mine = contract_of(model, gradient_leaves="4 leaves, fixed tree")  # the trainer's side has its reduction
     assert first["contract"] == second["contract"] == mine.hash
     assert first["contract_entries"] == mine.entries()  # entries when the hash changes only
     assert "contract_entries" not in second and "contract_differs" not in first
-    monkeypatch.setattr(contract, "engine_contract", lambda llm: contract_of(_model(tp_leaves=2)))
+    monkeypatch.setattr(engine_contract, "engine_contract", lambda llm: contract_of(_model(tp_leaves=2)))
     with pytest.raises(ContractMismatch, match=r"after the weight sync of step 3: trainer and engine differ in "
                                                r"tp_leaves \(trainer 0, engine 2\)\. The engine would not"):
         t._check_contract("after the weight sync of step 3")

@@ -224,7 +224,7 @@ def test_a_corrupted_prepared_operand_stops_the_run_naming_it(prepared_engine, m
     move (it is what the engine multiplies by) and the post-sync check names that operand
     (and nothing else but, for a packed quantized payload, the weight it reads back as), in
     one line. The same engine synced untouched passes first."""
-    from titan_rl.rl.engine_worker import corrupt_operand
+    from titan_rl.vllm.worker_extension import corrupt_operand
 
     from titan_rl.models.layers import held_operands
 
@@ -295,9 +295,9 @@ def test_every_prepared_operand_is_read_by_the_forward(arch, flavor):
     vLLM wrapper's net, prepared by models.layers.prepare_for_engine), one changed element of
     one of its operands moves the forward's logits. The LM head's copy is the wrapper's (the
     test above)."""
-    from titan_rl.checkpoint import operand_digests
+    from titan_rl.weight_digests import operand_digests
     from titan_rl.models.layers import held_operands, prepare_for_engine
-    from titan_rl.rl.engine_worker import corrupt_operand
+    from titan_rl.vllm.worker_extension import corrupt_operand
 
     net = get_architecture(arch).build(flavor).init_weights(2, 0.05).to(torch.bfloat16).eval()
     prepare_for_engine(net)

@@ -171,7 +171,7 @@ def test_the_command_line_refuses_it_at_start_in_one_line(tmp_path):
 def test_gradient_leaves_tile_the_global_batch_in_aligned_runs():
     """Every layout's ranks own equal, consecutive runs of the same leaves, which tile the
     global batch in order; the leaf count is a function of the config alone."""
-    from titan_rl.rl import batch_plan
+    from titan_rl import layout
     from titan_rl.rl.batch_plan import gradient_leaves
 
     for dp in (1, 2, 4, 8):
@@ -183,11 +183,11 @@ def test_gradient_leaves_tile_the_global_batch_in_aligned_runs():
         with pytest.raises(ValueError):
             gradient_leaves(*bad, 0)
     auto = config.load(None, ["--algorithm.prompts_per_step=3", "--algorithm.group_size=4", "--algorithm.sft_batch=16"])
-    assert batch_plan.leaf_count(auto) == batch_plan.AUTO_MAX_LEAVES == 2  # 12 and 16 sequences
+    assert layout.leaf_count(auto) == layout.AUTO_MAX_LEAVES == 2  # 12 and 16 sequences
     odd = config.load(None, ["--algorithm.prompts_per_step=1", "--algorithm.group_size=3", "--algorithm.sft_steps=0"])
-    assert batch_plan.leaf_count(odd) == 1  # 3 sequences: no power of two above 1 divides them
-    assert batch_plan.uses_leaf_tree(auto)  # on by default in exact mode
-    assert not batch_plan.uses_leaf_tree(config.load(None, ["--model.kernels=\"stock\""]))
+    assert layout.leaf_count(odd) == 1  # 3 sequences: no power of two above 1 divides them
+    assert layout.uses_leaf_tree(auto)  # on by default in exact mode
+    assert not layout.uses_leaf_tree(config.load(None, ["--model.kernels=\"stock\""]))
 
 
 def test_tree_stack_adds_in_tree_sums_order():

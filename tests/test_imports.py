@@ -171,6 +171,21 @@ def test_the_engine_side_does_not_import_the_trainer_side():
     assert not bad, bad
 
 
+def test_the_config_does_not_import_the_rl_step():
+    """Reading a config needs its rules (titan_rl.layout, the recipes, the sections), never the
+    RL step: titan_rl.config imports nothing of titan_rl.rl, directly or through anything it
+    imports (function-level imports included)."""
+    graph = import_graph()
+    seen, todo = set(), ["titan_rl.config"]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo.extend(n for n in graph.get(m, {}) if n.startswith("titan_rl"))
+    assert not [m for m in seen if m.startswith("titan_rl.rl.") or m == "titan_rl.rl"], sorted(seen)
+
+
 def test_generic_code_imports_no_model():
     """The generic TP, FSDP and quantized-weight code reads the architecture's spec and
     the shared layers (titan_rl.models.layers), never a model of its own."""

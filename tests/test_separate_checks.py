@@ -1,6 +1,6 @@
 """A separate engine (its own process, titan_rl/rl/separate_engines.py) built otherwise than the
 trainer is refused before the first rollout, in one line naming the entry: the contract the
-trainer checks is the one the engine computes in its process (titan_rl.rl.engine_worker), so
+trainer checks is the one the engine computes in its process (titan_rl.vllm.worker_extension), so
 these tests build the real engine process differently (its dtype, its folder's tp_leaves or
 recipe, or the CPU kind its process runs as, which changes its kernels' build flags and its
 platform choices) and see the trainer's check fail. The control case, an engine built as the

@@ -483,41 +483,8 @@ def load_hf_folder(
 
 
 # ---------------------------------------------------------------------------------------
-# fingerprint
+# fingerprint (a tensor's and a prepared operand's digests: titan_rl.weight_digests)
 # ---------------------------------------------------------------------------------------
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 hex digest of one tensor's dtype, shape and raw bytes."""
-    t = t.detach().cpu().contiguous()
-    h = hashlib.sha256(json.dumps([dtype_name(t.dtype), list(t.shape)]).encode() + b"\0")
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def operand_digests(name: str, operand) -> dict[str, str]:
-    """{name: sha256} of a prepared GEMM operand (models.layers.engine_operands), by the bytes
-    its kernel reads: a tensor's (one oneDNN reorders into its blocked layout is read back
-    through oneDNN, to_dense), or, for an opaque prepared weight (PackedWeight, PackedQuant,
-    PackedHead), each of its fields in order (tensors and the sizes / choices stored with
-    them). A dict or list of operands gives one entry per element, `name.key`; None gives none."""
-    if operand is None:
-        return {}
-    if isinstance(operand, dict):
-        return {k: v for key, op in operand.items() for k, v in operand_digests(f"{name}.{key}", op).items()}
-    if isinstance(operand, (list, tuple)):
-        return {k: v for i, op in enumerate(operand) for k, v in operand_digests(f"{name}.{i}", op).items()}
-    return {name: _operand_digest(operand)}
-
-
-def _operand_digest(operand) -> str:
-    if isinstance(operand, torch.Tensor):
-        return tensor_digest(operand.to_dense() if operand.layout == torch._mkldnn else operand)
-    h = hashlib.sha256(type(operand).__name__.encode() + b"\0")
-    for field in type(operand).__slots__:
-        v = getattr(operand, field)
-        h.update(f"{field}={_operand_digest(v) if isinstance(v, torch.Tensor) else repr(v)}\0".encode())
-    return h.hexdigest()
-
-
 def checkpoint_fingerprint(state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> str:
     """sha256 hex digest over (name, dtype, shape, raw bytes) of every tensor, in sorted
     name order. Equal digests mean bitwise-equal weights under equal names.

@@ -27,7 +27,6 @@ import tomli
 from titan_rl.algorithms.corrections import CorrectionConfig
 from titan_rl import layout
 from titan_rl.errors import ConfigError
-from titan_rl.rl import batch_plan
 from titan_rl.kernels.mode import KernelMode
 from titan_rl.models.options import ModelOptions, Quantization
 from titan_rl.kernels.quant.recipes import (
@@ -338,7 +337,7 @@ def validate(cfg: Config) -> None:
     _layout(layout.check_tp_leaves, key, tp, leaves, why="for the trainer to stay bitwise equal to the engine")
     if tp > 1 and arch_cfg is not None:
         _layout(layout.check_widths, key, tp, arch_cfg, spec.tp_plan.divides)
-    _check_expert_parallel(cfg, spec, arch_cfg)
+    layout.check_expert_parallel(cfg, spec, arch_cfg)
     if cfg.rollout.router_replay == "replay" and not cfg.model.checkpoint:
         if not spec.moe:
             raise ConfigError(f"rollout.router_replay = 'replay' needs a mixture-of-experts model; "
@@ -353,7 +352,7 @@ def validate(cfg: Config) -> None:
         if value != default and not spec.sparse_attention:
             raise ConfigError(f"{key} = {value!r} needs a sparse-attention model (an indexer); model.name = "
                               f"{cfg.model.name!r} has none")
-    batch_plan.check_config(cfg)
+    layout.check_leaves(cfg)
     ac_reason = REFUSED_AC_MODES.get(cfg.activation_checkpoint.mode)
     if ac_reason:
         raise ConfigError(f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r}: {ac_reason}")
@@ -365,38 +364,6 @@ def validate(cfg: Config) -> None:
     p = cfg.parity
     if not 1 <= p.prompt_len_min <= p.prompt_len_max:
         raise ConfigError(f"parity.prompt_len_min/max = {p.prompt_len_min}/{p.prompt_len_max}: need 1 <= min <= max")
-
-
-def _check_expert_parallel(cfg: Config, spec, arch_cfg) -> None:
-    """parallelism.expert_parallel_degree: what titan_rl/titan/expert_parallel.py builds (the degree
-    against the world size is checked with the other layout rules, rl/global_batch.py)."""
-    p, key = cfg.parallelism, "parallelism.expert_parallel_degree"
-    ep = p.expert_parallel_degree
-    if ep < 1:
-        raise ConfigError(f"{key} = {ep}: must be >= 1")
-    if ep == 1:
-        return
-    if not spec.moe:
-        raise ConfigError(f"{key} = {ep} needs a mixture-of-experts model; model.name = {cfg.model.name!r} has no "
-                          "routed experts; allowed: 1")
-    if p.tensor_parallel_degree > 1:
-        raise ConfigError(f"{key} = {ep} with parallelism.tensor_parallel_degree = {p.tensor_parallel_degree} is not "
-                          "built (the experts' ranks are the data-parallel ranks); use one of the two")
-    if not batch_plan.uses_leaf_tree(cfg):
-        raise ConfigError(f"{key} = {ep} needs the leaf tree (model.kernels = 'exact' with "
-                          "parallelism.deterministic_reduction unset or true): the experts' gradients are added in it")
-    if cfg.quantization.recipe != "none":
-        raise ConfigError(f"{key} = {ep} with quantization.recipe = {cfg.quantization.recipe!r} is not built; "
-                          "allowed: 1, or quantization.recipe = 'none'")
-    if cfg.activation_checkpoint.mode != "none":
-        # a recomputed forward would dispatch the experts' rows a second time before the leaf's
-        # backward, which the per-leaf exchange (titan_rl/titan/expert_parallel.py) does not pair
-        raise ConfigError(f"{key} = {ep} with activation_checkpoint.mode = {cfg.activation_checkpoint.mode!r} is "
-                          "not built (the recomputed forward would exchange the experts' rows again inside the "
-                          "backward); allowed: activation_checkpoint.mode = 'none', or expert_parallel_degree = 1")
-    n = getattr(arch_cfg, "num_experts", None) or getattr(arch_cfg, "n_routed_experts", None)
-    if n and n < ep:
-        raise ConfigError(f"{key} = {ep} must be <= the model's routed experts ({n}): each rank owns at least one")
 
 
 def _check_quantization(cfg: Config) -> None:

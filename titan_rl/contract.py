@@ -1,6 +1,6 @@
 """The execution contract: every choice that decides a log-prob's bits, in one hash.
 
-Trainer and engine each describe their own side (`contract_of(model)`, `engine_contract(llm)`);
+Trainer and engine each describe their own side (`contract_of(model)`, `titan_rl.vllm.engine_contract`);
 `check` compares the two and refuses, naming each entry that differs with both values. The
 entries and why each is one: docs/architecture.md, "The execution contract".
 """
@@ -190,34 +190,15 @@ def contract_of(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
         quantization=_quantization(ops), gradient_leaves=gradient_leaves)
 
 
-def engine_contract(llm) -> Contract:
-    """The contract of an in-process vLLM engine (`model_contract` of the model it runs)."""
-    from titan_rl.vllm.engine import engine_model
-
-    return model_contract(engine_model(llm), llm.model_config)
-
-
-def model_contract(model: torch.nn.Module, model_config) -> Contract:
-    """The contract of the model object a vLLM engine runs, computed where it runs: our
-    wrapper (the model definition it adopted, the kernel of its attention backend) or
-    vLLM's built-in implementation (stock). An engine in its own process computes it
-    there (titan_rl.rl.engine_worker)."""
-    from titan_rl.vllm.model import TitanForCausalLM
-
-    if isinstance(model, TitanForCausalLM):
-        return contract_of(model._net, attention=_attention_kernel(model))
-    return _builtin_contract(model_config, model)
-
-
-def _attention_kernel(wrapper: torch.nn.Module) -> Callable:
+def attention_kernel(wrapper: torch.nn.Module) -> Callable:
     kernels = {type(m.impl).kernel for m in wrapper.modules() if hasattr(getattr(m, "impl", None), "kernel")}
     if len(kernels) != 1:
         raise RuntimeError(f"the engine's attention layers call {len(kernels)} kernels; expected one")
     return kernels.pop()
 
 
-def _builtin_contract(model_config, model: torch.nn.Module) -> Contract:
-    """vLLM's built-in model: its architecture and dtype from vLLM's model config (its CPU
+def builtin_contract(model_config, model: torch.nn.Module) -> Contract:
+    """The contract of vLLM's built-in model (the stock engine's): its architecture and dtype from vLLM's model config (its CPU
     linears repack their weights, so the parameters do not show the compute dtype)."""
     hf_config = model_config.hf_config
     arch = hf_config.architectures[0]

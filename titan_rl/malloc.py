@@ -118,3 +118,11 @@ def restart_with_tunables() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, sys.orig_argv)
+
+
+def run_main(main) -> None:
+    """The tail of every main program (titan_rl.train / parity / eval, the benchmarks): start
+    again with the tunables where titan_rl keeps freed memory (glibc reads them only at start:
+    restart_with_tunables), then exit with main()'s code."""
+    restart_with_tunables()
+    sys.exit(main())

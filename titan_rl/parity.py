@@ -253,7 +253,8 @@ def compare(rollout: Rollout, scores: Scores, index_selection: str = "pinned") -
 def contracts(trainer, llm) -> dict:
     """Both sides' execution contracts (titan_rl.contract) and the entries that differ:
     recorded, not refused, since parity is where a mismatch is measured."""
-    from titan_rl.contract import contract_of, diff, engine_contract
+    from titan_rl.contract import contract_of, diff
+    from titan_rl.vllm.engine_contract import engine_contract
 
     mine, engine = contract_of(trainer), engine_contract(llm)
     return {"trainer": mine.record(), "engine": engine.record(), "differs": diff(mine, engine)}
@@ -443,7 +444,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from titan_rl.malloc import restart_with_tunables
+    from titan_rl.malloc import run_main
 
-    restart_with_tunables()  # glibc reads its malloc tunables only at start (titan_rl/malloc.py)
-    sys.exit(main())
+    run_main(main)

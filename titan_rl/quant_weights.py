@@ -10,10 +10,7 @@ operands the engine prepares once per load (`trainer_digests`, by the engine's o
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -62,7 +59,7 @@ def trainer_digests(model: torch.nn.Module, state: Mapping[str, torch.Tensor], r
     preparation (models.layers.engine_operands over the trainer's model, which has the engine's
     modules under the same names; each operand hashed and dropped before the next is made).
     `state` and `sent` hold the weights as this engine (TP rank) holds them."""
-    from titan_rl.checkpoint import operand_digests, tensor_digest
+    from titan_rl.weight_digests import operand_digests, tensor_digest
 
     out = {n: tensor_digest(w) for n, w in fake_quantized_state(state, recipes).items()}
     names = {id(p): n for n, p in model.named_parameters()}  # a tied LM head: the embedding's name
@@ -85,34 +82,6 @@ def held_bytes(model: torch.nn.Module) -> int:
     params = {id(p): p for p in model.parameters()}
     held = sum(p.numel() * p.element_size() for p in params.values())
     return held + sum(m.qweight.nbytes for m in model.modules() if isinstance(m, Linear) and m.qweight is not None)
-
-
-def digest_differences(expected: Mapping[str, str], held: Mapping[str, str]) -> list[str]:
-    """The names whose digest differs between what an engine should hold (`expected`) and
-    what it holds (`held`), or that one side lacks, sorted."""
-    return sorted(n for n in expected.keys() | held.keys() if expected.get(n) != held.get(n))
-
-
-def combined_digest(digests: Mapping[str, str] | list) -> str:
-    """One sha256 over a side's {name: digest} (sorted by name), or over a list of such
-    digests in order (an engine's TP ranks, several engines): the value each side reports
-    after a sync (`WeightCheck`), so a metrics line carries both sides' figures, not a verdict."""
-    items = sorted(digests.items()) if isinstance(digests, Mapping) else list(digests)
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class WeightCheck:
-    """What a weight sync's checksum saw: the combined digest of what the trainer's forward
-    multiplies by and of what the engine holds (read in the engine's process). A sync whose
-    sides differ stops the run before this is logged; logged, the two are the evidence."""
-
-    trainer: str
-    engine: str
-
-    def metrics(self) -> dict:
-        return {"weights_sha256_trainer": self.trainer, "weights_sha256_engine": self.engine,
-                "weights_checksum_equal": self.trainer == self.engine}
 
 
 def weights_differ(when: str, engine: str, names: list[str], how: str) -> str:

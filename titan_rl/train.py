@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -112,7 +111,6 @@ def run(cfg, run_dir: str, task=None, config_changes=None) -> int:
 
 
 if __name__ == "__main__":
-    from titan_rl.malloc import restart_with_tunables
+    from titan_rl.malloc import run_main
 
-    restart_with_tunables()  # glibc reads its malloc tunables only at start (titan_rl/malloc.py)
-    sys.exit(main())
+    run_main(main)

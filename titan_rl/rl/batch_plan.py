@@ -12,9 +12,9 @@ Two plans implement one interface:
     and ranks; statistics are computed on the gathered global batch. Every layout then
     gives the same bits (docs/torchtitan.md, "Layout invariance").
 
-The rules of the switch live here too, once: `uses_leaf_tree`, `leaf_count` (auto: at most
-AUTO_MAX_LEAVES) and `check_config` (called when the config is read), `check_layout` (when
-the world size is known).
+The rules of the switch are layout rules: titan_rl.layout's `uses_leaf_tree`, `leaf_count`
+(auto: at most AUTO_MAX_LEAVES), `check_leaves` (when the config is read) and `check_layout`
+(when the world size is known).
 """
 
 from __future__ import annotations
@@ -24,78 +24,11 @@ import abc
 import torch
 
 from titan_rl.algorithms import apply_corrections
-from titan_rl.errors import ConfigError
 from titan_rl.kernels import tree_sum
 from titan_rl.kernels.reduction import fixed_sum
+from titan_rl.layout import leaf_count, uses_leaf_tree
 from titan_rl.metrics import STEP_MISMATCH, logprob_mismatch
 from titan_rl.rl.ranks import Ranks
-
-# Each leaf is one forward + backward: 2 covers data-parallel degrees 1 and 2 at little
-# cost (docs/torchtitan.md has the timings); a run meant to move to more ranks sets
-# parallelism.gradient_leaves to that degree or more.
-AUTO_MAX_LEAVES = 2
-
-
-# -- the rules -----------------------------------------------------------------------------
-
-def uses_leaf_tree(cfg) -> bool:
-    """parallelism.deterministic_reduction, resolved: unset means on in exact mode."""
-    on = cfg.parallelism.deterministic_reduction
-    return cfg.model.kernels == "exact" if on is None else on
-
-
-def _global_batches(cfg) -> list[tuple[str, int]]:
-    a = cfg.algorithm
-    return [("prompts_per_step x group_size", a.prompts_per_step * a.group_size)] + (
-        [("sft_batch", a.sft_batch)] if a.sft_steps > 0 else [])
-
-
-def leaf_count(cfg) -> int:
-    """parallelism.gradient_leaves, resolved: 0 (auto) is the largest power of two up to
-    AUTO_MAX_LEAVES that divides every global batch of the run (a function of the config
-    alone, so the same on every layout)."""
-    if cfg.parallelism.gradient_leaves:
-        return cfg.parallelism.gradient_leaves
-    n = AUTO_MAX_LEAVES
-    while any(size % n for _, size in _global_batches(cfg)):
-        n //= 2
-    return n
-
-
-def check_config(cfg) -> None:
-    """The switch's settings, refused by key when they cannot be honoured."""
-    p = cfg.parallelism
-    if p.deterministic_reduction and cfg.model.kernels == "stock":
-        raise ConfigError("parallelism.deterministic_reduction = true cannot be honoured with model.kernels = 'stock': "
-                          "the stock engine's rollouts depend on the batch composition, so the global batch differs "
-                          "by layout; use model.kernels = 'exact', or leave the key unset")
-    if not uses_leaf_tree(cfg):
-        return
-    leaves = p.gradient_leaves
-    if leaves < 0 or leaves & (leaves - 1):
-        raise ConfigError(f"parallelism.gradient_leaves = {leaves}: must be 0 (auto) or a power of two")
-    if not leaves:
-        return
-    for what, n in _global_batches(cfg):
-        if n % leaves:
-            raise ConfigError(f"parallelism.gradient_leaves = {leaves} must divide algorithm.{what} = {n} "
-                              "(the global batch is cut into equal leaves)")
-    if p.data_parallel_replicate_degree > 1:
-        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: "
-                          "deterministic_reduction covers FSDP only; use 1, or deterministic_reduction = false")
-
-
-def check_layout(cfg, dp: int, world: int) -> None:
-    """Every data-parallel rank owns an equal run of leaves."""
-    leaves = leaf_count(cfg)
-    if uses_leaf_tree(cfg) and leaves % dp:
-        tp = cfg.parallelism.tensor_parallel_degree
-        what = "" if cfg.parallelism.gradient_leaves else " (0 = auto: the largest power of two up to 2 dividing the batches)"
-        raise ConfigError(f"parallelism.gradient_leaves = {leaves}{what} must be divisible by the data-parallel degree "
-                          f"{dp} (WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): each rank owns an "
-                          f"equal run of leaves; set parallelism.gradient_leaves to a power of two >= {dp} that divides "
-                          "the batches, or parallelism.deterministic_reduction = false")
-
 
 def gradient_leaves(total: int, n_leaves: int, dp_degree: int, dp_rank: int) -> list[range]:
     """The gradient leaves data-parallel rank `dp_rank` of `dp_degree` owns, as global

@@ -34,7 +34,7 @@ from titan_rl import contract
 from titan_rl.choices import KINDS
 from titan_rl.dtypes import DTYPES
 from titan_rl.errors import RunStopped
-from titan_rl.quant_weights import WeightCheck
+from titan_rl.weight_digests import WeightCheck, combined_digest, digest_differences
 from titan_rl.rl.ranks import Ranks
 from titan_rl.rl.versions import Versions
 from titan_rl.rollout import Rollout
@@ -94,7 +94,7 @@ class EngineLink(abc.ABC):
     @abc.abstractmethod
     def sync(self, step: int) -> WeightCheck | None:
         """The trainer's current weights into the engine; what the checksum saw on each side
-        (titan_rl.quant_weights.WeightCheck: a difference stops the run here), None where the
+        (titan_rl.weight_digests.WeightCheck: a difference stops the run here), None where the
         engine's parameters are not ours to compare (`checks_weights`)."""
 
     @property
@@ -218,10 +218,7 @@ class ColocatedEngine(EngineLink):
         return run.rollout(**records), dt, ticket.version
 
     def sync(self, step):
-        from titan_rl.quant_weights import (
-            combined_digest, digest_differences, quantized_state, state_bytes, trainer_digests, weight_recipes,
-            weights_differ,
-        )
+        from titan_rl.quant_weights import quantized_state, state_bytes, trainer_digests, weight_recipes, weights_differ
         from titan_rl.vllm.engine import engine_model, update_weights
 
         state = self._state()
@@ -248,7 +245,9 @@ class ColocatedEngine(EngineLink):
         """This rank's engine against its trainer; all ranks stop together if one refuses."""
         error = None
         try:
-            self._check_contract_against(contract.engine_contract(self.llm), when)
+            from titan_rl.vllm import engine_contract
+
+            self._check_contract_against(engine_contract.engine_contract(self.llm), when)
         except contract.ContractMismatch as e:
             error = e
         if self.ranks.any(error is not None):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from titan_rl.errors import ConfigError
-from titan_rl.rl import batch_plan
+from titan_rl import layout
 
 if TYPE_CHECKING:
     from titan_rl.config import Config
@@ -50,4 +50,4 @@ def check_global_batch(cfg: Config, world: int) -> None:
         raise ConfigError(f"parallelism.expert_parallel_degree = {ep} must equal the data-parallel degree {dp} "
                           f"(WORLD_SIZE = {world} / parallelism.tensor_parallel_degree = {tp}): every data-parallel "
                           "rank owns an equal share of the experts")
-    batch_plan.check_layout(cfg, dp, world)
+    layout.check_layout(cfg, dp, world)

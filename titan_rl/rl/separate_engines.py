@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from titan_rl import contract
 from titan_rl.errors import RunStopped
-from titan_rl.quant_weights import WeightCheck
+from titan_rl.weight_digests import WeightCheck, combined_digest
 from titan_rl.launch import free_port
 from titan_rl.rl.engine_link import EngineLink, Ticket, trainer_state
 from titan_rl.rl.episodes import parts_per_episode
@@ -265,7 +265,7 @@ class SeparateEngines(EngineLink):
 
     # -- weights ---------------------------------------------------------------------------
     def sync(self, step: int) -> WeightCheck | None:
-        from titan_rl.quant_weights import combined_digest, quantized_state, weight_recipes
+        from titan_rl.quant_weights import quantized_state, weight_recipes
 
         error = None
         if self.ranks.rank == 0:
@@ -357,8 +357,6 @@ class SeparateEngines(EngineLink):
 def _per_engine(rank_digests: list[str]) -> str:
     """One engine's combined digest from its TP ranks' (a TP-1 engine's is its rank's: the
     colocated engine's figure)."""
-    from titan_rl.quant_weights import combined_digest
-
     return rank_digests[0] if len(rank_digests) == 1 else combined_digest(rank_digests)
 
 

@@ -42,7 +42,7 @@ class ParallelismConfig(TitanParallelismConfig):
     gradient_leaves: int = 0
     """The count of gradient leaves a step's global batch is cut into (a power of two,
     divisible by the data-parallel degree; each leaf is one forward and backward). 0: the
-    largest power of two up to 2 (config.AUTO_MAX_LEAVES) dividing the run's global batches."""
+    largest power of two up to 2 (titan_rl.layout.AUTO_MAX_LEAVES) dividing the run's global batches."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -81,7 +81,7 @@ def make_llm(folder: str, settings: EngineSettings = EngineSettings()):
     titan_rl.kernels.sampling for the kept set (titan_rl.vllm.sampling.install).
     own_process: the engine runs in its own process (vLLM's engine-core process; at
     tensor_parallel_size > 1 its workers are processes of vLLM's "mp" executor), reached
-    through vLLM's collective RPC (titan_rl.rl.engine_worker) and weight transfer
+    through vLLM's collective RPC (titan_rl.vllm.worker_extension) and weight transfer
     (the "gloo" backend, titan_rl.vllm.weight_transfer); it dies with this process."""
     s = settings
     arch, kernels, dtype, quantization, logprobs_mode = s.arch, s.kernels, s.dtype, s.quantization, s.logprobs_mode
@@ -129,7 +129,7 @@ def make_llm(folder: str, settings: EngineSettings = EngineSettings()):
     if s.block_size is not None:
         kwargs.update(block_size=s.block_size)
     if own_process:
-        kwargs.update(worker_extension_cls="titan_rl.rl.engine_worker.TitanWorkerExtension",
+        kwargs.update(worker_extension_cls="titan_rl.vllm.worker_extension.TitanWorkerExtension",
                       weight_transfer_config={"backend": "gloo"})
         if tensor_parallel_size != 1:
             kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")

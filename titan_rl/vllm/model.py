@@ -137,9 +137,9 @@ class TitanForCausalLM(nn.Module):
         scales (titan_rl.quant_weights.engine_weights), and each operand prepared once per load
         (models.layers.held_operands: fused q/k/v and gate/up, each Linear's GEMM weight, GLM-5's
         absorbed per-head weights; the LM head's as LM_HEAD_OPERAND), hashed as the bytes its
-        kernel reads (titan_rl.checkpoint.operand_digests). The engine's side of the post-sync
+        kernel reads (titan_rl.weight_digests.operand_digests). The engine's side of the post-sync
         check; the trainer's is titan_rl.quant_weights.trainer_digests."""
-        from titan_rl.checkpoint import operand_digests, tensor_digest
+        from titan_rl.weight_digests import operand_digests, tensor_digest
         from titan_rl.quant_weights import engine_weights
 
         out = {n: tensor_digest(w) for n, w in engine_weights(self).items()}

@@ -239,7 +239,7 @@ _ACTIVE: _Capture | None = None
 
 def model_runner(llm):
     """The model runner of an in-process engine `llm`; a model runner is itself (inside an
-    engine's worker process the captures are opened on it: titan_rl.rl.engine_worker)."""
+    engine's worker process the captures are opened on it: titan_rl.vllm.worker_extension)."""
     if hasattr(llm, "input_batch"):
         return llm
     core = llm.llm_engine.engine_core

@@ -31,7 +31,7 @@ class TitanWorkerExtension:
         """This TP rank's weights against what it should hold (`expected_by_rank[rank]`):
         {"differ": names whose digest differs or that one side lacks, sorted; "sha256": the
         combined digest of what it holds, "rank": its TP rank}."""
-        from titan_rl.quant_weights import combined_digest, digest_differences
+        from titan_rl.weight_digests import combined_digest, digest_differences
 
         m = self._titan_model()
         held = m.weight_digests()
@@ -40,9 +40,9 @@ class TitanWorkerExtension:
 
     def titan_contract(self) -> dict:
         """This engine's execution contract (its entries) and where it runs."""
-        from titan_rl import contract
+        from titan_rl.vllm.engine_contract import model_contract
 
-        c = contract.model_contract(self._titan_model(), self.model_runner.model_config)
+        c = model_contract(self._titan_model(), self.model_runner.model_config)
         return {"entries": c.entries(), "pid": os.getpid(), "threads": torch.get_num_threads()}
 
     def titan_capture_begin(self, names: list[str]) -> None:
