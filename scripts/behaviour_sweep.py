@@ -50,7 +50,7 @@ def cells() -> dict[str, list[str]]:
 
 
 def run_cell(name: str, args: list[str]) -> dict:
-    from titan_rl.run_dir import read_metrics
+    from titan_rl.run_dir import comparable, read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -61,9 +61,7 @@ def run_cell(name: str, args: list[str]) -> dict:
         if r.returncode != 0:
             tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
             return {"cell": name, "rc": r.returncode, "last_line": _no_run_dir(tail[0]), "seconds": dt}
-        # wall-clock and memory fields aside; the weight digests kept (one layout against itself)
-        lines = [{k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib"))}
-                 for m in read_metrics(tmp)]
+        lines = [comparable(m, same_layout=True) for m in read_metrics(tmp)]  # the weight digests kept
         return {"cell": name, "rc": 0, "lines": lines, "seconds": dt}
 
 

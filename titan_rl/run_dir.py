@@ -22,15 +22,17 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(ln) for ln in f if ln.strip()]
 
 
-# not compared between runs: where a relaunch resumed from, and the weight sync's digests (they
-# hash the slices each engine's layout holds, so a TP-2 engine's differ from a TP-1 engine's)
-_NOT_COMPARED = ("resumed_from_step", "weights_sha256_trainer", "weights_sha256_engine")
+# the weight sync's digests hash the slices each engine's layout holds (a TP-2 engine's differ
+# from a TP-1 engine's): compared only between runs of one layout
+_LAYOUT_DEPENDENT = ("weights_sha256_trainer", "weights_sha256_engine")
 
 
-def comparable(m: dict) -> dict:
+def comparable(m: dict, same_layout: bool = False) -> dict:
     """A metrics line without wall-clock and memory fields, nor where a relaunch resumed from
-    or the layout-dependent weight digests (for resume- and layout-equality checks)."""
-    return {k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib")) and k not in _NOT_COMPARED}
+    (for resume- and layout-equality checks); without the layout-dependent weight digests
+    unless both runs share one layout (`same_layout`)."""
+    drop = ("resumed_from_step",) if same_layout else ("resumed_from_step", *_LAYOUT_DEPENDENT)
+    return {k: v for k, v in m.items() if not k.endswith(("_seconds", "_per_s", "_mib")) and k not in drop}
 
 
 class MetricsFile:

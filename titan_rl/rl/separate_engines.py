@@ -105,12 +105,8 @@ class SeparateEngines(EngineLink):
     def _check_engines(self, when: str) -> None:
         """Every engine's own contract (from its process, sent to every rank) against each
         rank's trainer: every rank checks, so every rank logs the same contract."""
-        seen = [[d["entries"] for d in e.llm.collective_rpc("titan_contract")] for e in self.engines] \
-            if self.ranks.rank == 0 else None
-        if self.ranks.world > 1:
-            box = [seen]
-            dist.broadcast_object_list(box, src=0)
-            seen = box[0]
+        seen = self.ranks.broadcast([[d["entries"] for d in e.llm.collective_rpc("titan_contract")]
+                                     for e in self.engines] if self.ranks.rank == 0 else None)
         for i, workers in enumerate(seen):
             for entries in workers:
                 self._check_contract_against(contract.Contract.from_entries(entries), f"{when} (engine {i})")

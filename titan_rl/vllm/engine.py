@@ -183,7 +183,8 @@ def _llm_in_own_process(kwargs: dict, exact_sampling: str):
     import vllm.envs as envs
     from vllm import LLM
 
-    from titan_rl.vllm.plugin import EXACT_SAMPLING, FORK_WORKER, TRAINER_PID
+    from titan_rl.lifeline import TRAINER_PID
+    from titan_rl.vllm.plugin import EXACT_SAMPLING, FORK_WORKER
 
     bind = "VLLM_CPU_OMP_THREADS_BIND"
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", TRAINER_PID, EXACT_SAMPLING, bind,

@@ -5,8 +5,7 @@ import os
 import sys
 import types
 
-# TRAINER_PID: titan_rl.vllm.engine reads it here
-from titan_rl.lifeline import TRAINER_PID, die_with_parent, started_by_a_trainer  # noqa: F401
+from titan_rl.lifeline import die_with_parent, started_by_a_trainer
 
 # Set-up removes torchvision: the only builds reachable are CUDA builds that fail to import
 # ("operator torchvision::nms does not exist"), and a broken torchvision breaks `import vllm`.
