@@ -82,7 +82,7 @@ def corrupt_operand(net, name: str, lm_head=None, field: str | None = None) -> N
     wrapper's), where the engine's forward reads it: the first element of its first tensor, or
     of its tensor `field` (a PackedWeight's "few_rows" copy, a PackedQuant's payload or scales;
     without `field`, a PackedWeight's few-rows copy of that element too, so either path moves,
-    and the PackedQuant field the forward reads on this CPU: its expanded blocks on AVX2) (a float x becomes 2x + 1, a code byte flips
+    and the PackedQuant field the forward reads on this CPU: its expanded blocks on AVX2) (a float x becomes x + max|t|, a code byte flips
     an exponent bit of each value in it). For the tests of the post-sync check
     (titan_rl/rl/engine_link.py)."""
     from titan_rl.models.layers import LM_HEAD_OPERAND, held_operands
@@ -113,9 +113,14 @@ def corrupt_operand(net, name: str, lm_head=None, field: str | None = None) -> N
 
 @torch.no_grad()
 def _bump(t: torch.Tensor) -> None:
+    if t.dtype == torch.int16:  # AVX2's expanded blocks: bf16 bits (a byte flip of a 0 gave a
+        t = t.view(torch.bfloat16)  # subnormal, which the kernel's DAZ reads as 0: a flaky test)
     if t.is_floating_point() and t.element_size() > 1:
-        # x -> 2x + 1 changes every finite value (x + 1 does not change a bf16 of magnitude >= 512,
-        # as AVX2's expanded nvfp4 blocks hold: e2m1 x block scale)
-        t.view(-1)[0] = t.view(-1)[0] * 2 + 1
+        # x -> x + max|t|: a change as large as the tensor's largest value, whatever x is (2x + 1
+        # turned an expanded block's 0 into 1, which its column scale of ~1e-4 made too small to move
+        # a bf16 output)
+        flat = t.view(-1)
+        big = float(flat.abs().max())
+        flat[0] = flat[0] + (big if 0.0 < big < float("inf") else 1.0)
     else:  # fp8 / packed fp4 codes: bit 6 and bit 2 (e4m3's top exponent bit; each e2m1 nibble's)
         t.view(torch.uint8).view(-1)[0] ^= 0x44
