@@ -18,13 +18,17 @@ from _train_runs import ENV, SEPARATE
 
 def _engine_processes(trainer: int) -> list[psutil.Process]:
     out = []
-    for p in psutil.Process(trainer).children(recursive=True):
-        try:
+    try:
+        children = psutil.Process(trainer).children(recursive=True)
+    except psutil.Error:  # the trainer already gone
+        return out
+    for p in children:
+        try:  # a process can end between the listing and these reads
             cmd = " ".join(p.cmdline())
+            if "resource_tracker" not in cmd and ("spawn_main" in cmd or "EngineCore" in p.name() + cmd):
+                out.append(p)
         except psutil.Error:
             continue
-        if "resource_tracker" not in cmd and ("spawn_main" in cmd or "EngineCore" in p.name() + cmd):
-            out.append(p)
     return out
 
 
